@@ -1,0 +1,50 @@
+"""The MOPD objective (DESIGN §3) in pure torch: advantages, distillation signals, the policy loss, balancing.
+
+Shapes: ``B`` samples, ``T`` completion positions, ``K`` teachers, ``V`` vocabulary, ``S`` a shared support.
+Every function computes in its input's dtype on its input's device and never moves tensors between devices.
+
+Advantages (stop-gradient; :mod:`.advantages`):
+    - ``grpo_advantages(rewards [N], group_size, scale_by_std=True, eps=1e-6) -> [N]`` —
+      ``(r − mean_g r) / (std_g r + eps)``, unbiased std; constant groups give exactly 0.
+    - ``reverse_kl_advantages(teacher_logp, behaviour_logp, mask, clip=None) -> [B, T]`` —
+      ``clip(ℓᵀ − ℓ^old, −c, c)``, exactly 0 at masked positions.
+    - ``combine_advantages(rl_advantages, kd_advantages, mask, w_rl=1, w_kd=1) -> [B, T]`` —
+      ``w_rl · A^R + w_kd · A^D``.
+
+Distillation signals (:mod:`.distill`):
+    - ``mix_teacher_logprobs(teacher_logps [K, B, T], weights [K] | [B, K], kind) -> [B, T]`` —
+      ``"arithmetic"`` ``logsumexp_k(log w_k + ℓ_k)`` or ``"geometric"`` ``Σ_k w_k ℓ_k``.
+    - ``topk_support(student_logp [B, T, V], teacher_topk_ids, teacher_topk_logp [B, T, k], sampled_ids=None,
+      teacher_sampled_logp=None) -> (student [B, T, S], teacher [B, T, S])`` — {top-k ∪ sampled} + tail bucket.
+    - ``generalized_jsd(student_logp, teacher_logp [B, T, S], beta, mask) -> scalar`` — TRL-GKD's ``JSD_β``
+      (β=0 forward KL(T‖S), β=1 reverse KL(S‖T)), mean over unmasked positions.
+
+Policy loss (:mod:`.loss`):
+    - ``policy_loss(logp, behaviour_logp, advantages, mask, clip_low=0.2, clip_high=0.2, token_weights=None)
+      -> (loss, metrics)`` — PPO-clip, token mean over the batch; metrics ``clip_frac``, ``ratio_mean``,
+      ``ratio_max``, ``approx_kl`` (k3), ``loss``.
+
+Balancing (:mod:`.balance`):
+    - ``token_share_weights(group_ids [B], mask [B, T], prompt_share=None) -> [B, T]`` — each group's share of
+      the loss equals its share of samples (or ``prompt_share``); weights sum to the token count.
+    - ``balance_weights(kind, group_ids, mask, prompt_share=None)`` — ``"none"`` → ``None``, ``"tokens"``.
+"""
+
+from mopd_core.algorithms.advantages import combine_advantages, grpo_advantages, reverse_kl_advantages
+from mopd_core.algorithms.balance import BALANCE_KINDS, balance_weights, token_share_weights
+from mopd_core.algorithms.distill import MIX_KINDS, generalized_jsd, mix_teacher_logprobs, topk_support
+from mopd_core.algorithms.loss import policy_loss
+
+__all__ = [
+    "BALANCE_KINDS",
+    "MIX_KINDS",
+    "balance_weights",
+    "combine_advantages",
+    "generalized_jsd",
+    "grpo_advantages",
+    "mix_teacher_logprobs",
+    "policy_loss",
+    "reverse_kl_advantages",
+    "token_share_weights",
+    "topk_support",
+]

@@ -1,0 +1,339 @@
+"""Configuration: one pydantic model per stage and a `RecipeConfig` that holds them.
+
+Every field carries a description (the Prefect UI renders them as a form later); unknown keys are errors
+(`extra="forbid"`), so a typo in a YAML preset or a `--set` override fails before any compute, naming the key.
+Presets live in `configs/*.yaml`; `load_config(preset, overrides)` reads one and applies dotted overrides such
+as `mopd.steps=50`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the field and the fix."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class RuntimeConfig(_Model):
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Compute device. `auto` picks npu, then cuda, then cpu.")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="Colocated: trainer, rollout and teachers share devices and take turns. "
+        "Disaggregated: rollout/teachers are servers on their own devices.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter/compute dtype of student and teachers.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op CPU threads; None = all cores. Use 1 on a busy machine "
+        "(OpenMP threads spin-wait and slow down under contention).")
+    deterministic: bool = Field(True, description="Ask torch for deterministic algorithms where available.")
+
+
+class TinyModelConfig(_Model):
+    hidden_size: int = Field(192, ge=8, description="Hidden width of the tiny Llama.")
+    num_layers: int = Field(3, ge=1, description="Decoder layers.")
+    num_heads: int = Field(6, ge=1, description="Attention heads; head_dim = hidden/heads must be 32 or 64 "
+                           "so vLLM's CPU backend can serve the model.")
+    num_kv_heads: int | None = Field(None, description="KV heads (GQA); None = num_heads.")
+    intermediate_size: int = Field(512, ge=8, description="MLP width.")
+    max_position_embeddings: int = Field(128, ge=16, description="Longest sequence (prompt + completion).")
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.tiny.hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        hd = self.hidden_size // self.num_heads
+        if hd not in (32, 64, 80, 96, 112, 128, 256):
+            raise ValueError(f"model.tiny head_dim={hd} (hidden_size/num_heads) is not one of 32, 64, 80, 96, "
+                             "112, 128, 256; vLLM's CPU attention rejects it — change hidden_size or num_heads")
+        return self
+
+
+class ModelConfig(_Model):
+    base: str = Field("tiny", description="Base model: `tiny` builds a Llama-style model and a character "
+                      "tokenizer locally (no download); otherwise an HF model id or local path.")
+    tokenizer: str | None = Field(None, description="Tokenizer id/path; None = the base model's.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig,
+                                  description="Shape of the locally built tiny model (used when base=tiny).")
+    trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
+
+
+class DomainSpec(_Model):
+    name: str = Field(description="Domain name; also the teacher_id that routes its samples to a teacher.")
+    source: str = Field(description="`synthetic:<kind>` (math, code, if) or a path to a jsonl / parquet / "
+                        "`datasets` dir with columns prompt, teacher_id, and verifier fields.")
+    verifier: str = Field("exact_match", description="Reward function for dataset sources: exact_match, "
+                          "code_tests (sandboxed), contains. Synthetic domains bring their own.")
+    weight: float = Field(1.0, ge=0, description="Share of prompts drawn from this domain (normalised).")
+    eval_size: int = Field(200, ge=1, description="Held-out eval prompts, disjoint from training prompts.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Domain-specific generator options.")
+
+
+class DataConfig(_Model):
+    domains: list[DomainSpec] = Field(description="The domains of the recipe; one expert/teacher each.")
+    max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this are an error.")
+
+    @model_validator(mode="after")
+    def _unique(self) -> "DataConfig":
+        names = [d.name for d in self.domains]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.domains has duplicate names {names}")
+        if not names:
+            raise ValueError("data.domains is empty; add at least one domain")
+        return self
+
+
+class SFTConfig(_Model):
+    steps: int = Field(700, ge=0, description="Optimizer steps of mixed-domain SFT (TRL SFTTrainer).")
+    batch_size: int = Field(64, ge=1, description="Examples per optimizer step.")
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW).")
+    warmup_ratio: float = Field(0.05, ge=0, le=1, description="Linear warm-up fraction of steps.")
+    lr_scheduler: str = Field("constant_with_warmup", description="transformers scheduler name.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    mix: dict[str, float] | None = Field(None, description="Domain mix of the SFT data {domain: weight}; "
+                                         "None = the data.domains weights.")
+    num_examples: int | None = Field(None, ge=1, description="Distinct SFT examples; None = steps×batch.")
+    logging_steps: int = Field(50, ge=1, description="Log every N steps.")
+
+
+class RolloutConfig(_Model):
+    backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers forward "
+                                           "with KV cache, any device) or `vllm` (in-process, GPU/NPU).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs use it too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(12, ge=1, description="Completion budget; unfinished samples are truncated.")
+    batch_size: int | None = Field(None, ge=1, description="Sequences per generation call; None = all at once.")
+
+
+class TeachersConfig(_Model):
+    backend: Literal["local", "http"] = Field("local", description="`local`: in-process scoring; `http`: "
+                                              "vLLM OpenAI servers with prompt_logprobs.")
+    routing: Literal["domain", "mixture"] = Field("domain", description="`domain`: each sample scored by "
+                                                  "the teacher of its teacher_id; `mixture`: weighted mix.")
+    mixture_kind: Literal["arithmetic", "geometric"] = Field("arithmetic", description="Arithmetic: log Σ w·p; "
+                                                             "geometric: Σ w·log p (DESIGN §3).")
+    mixture_weights: dict[str, float] | None = Field(None, description="{teacher: weight} for mixture "
+                                                     "routing; None = uniform.")
+    domain_mixture_weights: dict[str, dict[str, float]] | None = Field(
+        None, description="Per-domain {domain: {teacher: weight}}; overrides mixture_weights for that domain.")
+    temperature: float = Field(1.0, gt=0, description="Teacher softmax temperature when scoring.")
+    offload: bool = Field(True, description="Keep teachers in CPU memory except while they score.")
+    batch_size: int | None = Field(None, ge=1, description="Sequences per teacher forward; None = all.")
+    endpoints: dict[str, str] | None = Field(None, description="http backend: {teacher_id: url}.")
+
+
+class PolicyLoopConfig(_Model):
+    """The one on-policy loop: expert RL (w_kd=0, no teachers) and MOPD (teachers ± reward)."""
+
+    steps: int = Field(200, ge=0, description="Policy updates (one rollout batch each).")
+    prompts_per_step: int = Field(32, ge=1, description="Distinct prompts per step.")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate (constant after warm-up).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO minibatches); "
+                             "1 = fully on-policy.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per forward/backward "
+                                         "(gradient accumulation); None = whole minibatch.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (ε_lo).")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (ε_hi).")
+    w_rl: float = Field(1.0, ge=0, description="Weight of the verifiable-reward GRPO advantage.")
+    w_kd: float = Field(0.0, ge=0, description="Weight of the distillation advantage (teacher − behaviour).")
+    kd_loss: Literal["sampled_rkl", "jsd"] = Field("sampled_rkl", description="`sampled_rkl`: reverse KL on "
+                                                   "the sampled token as a per-token advantage; `jsd`: direct "
+                                                   "generalised JSD over teacher top-k (TRL GKD style).")
+    kd_clip: float | None = Field(5.0, gt=0, description="Clip of the per-token distillation advantage (c).")
+    jsd_beta: float = Field(1.0, ge=0, le=1, description="β of the JSD loss: 0 forward KL, 1 reverse KL.")
+    jsd_top_k: int = Field(8, ge=1, description="Teacher top-k forming the JSD support (+ sampled + tail).")
+    scale_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    balance: Literal["none", "tokens"] = Field("none", description="Token-share balancing across teachers: "
+                                               "`tokens` makes each teacher's loss share match its prompt share.")
+    mix: dict[str, float] | None = Field(None, description="Prompt mix {domain: weight}; None = data weights.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+    eval_size: int | None = Field(None, ge=1, description="Eval prompts per domain during training; None = all.")
+    save_every: int = Field(50, ge=1, description="Checkpoint (weights + optimizer + step) every N steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest deleted).")
+
+
+class ExpertRLConfig(PolicyLoopConfig):
+    domains: list[str] | None = Field(None, description="Domains to train an expert for; None = all.")
+
+
+class MOPDConfig(PolicyLoopConfig):
+    w_rl: float = Field(0.0, ge=0, description="Weight of the GRPO reward advantage (0 = pure distillation).")
+    w_kd: float = Field(1.0, ge=0, description="Weight of the teacher distillation advantage.")
+
+
+class EvalConfig(_Model):
+    greedy: bool = Field(True, description="Greedy accuracy on the held-out prompts.")
+    mean_at_k: int = Field(0, ge=0, description="Also sample k completions per prompt and report mean@k.")
+    temperature: float = Field(1.0, gt=0, description="Temperature of the mean@k samples.")
+    max_new_tokens: int | None = Field(None, ge=1, description="None = rollout.max_new_tokens.")
+    eval_size: int | None = Field(None, ge=1, description="Prompts per domain; None = the domain's eval set.")
+    batch_size: int = Field(256, ge=1, description="Prompts per generation call.")
+
+
+class RecipeConfig(_Model):
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="Recipe name: output folder, MLflow experiment, registered-model prefix.")
+    seed: int = Field(0, description="Seeds every stage (data order, init, sampling).")
+    output_dir: str = Field("runs", description="Root folder; the recipe writes <output_dir>/<name>/<stage>.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Device and placement.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and tokenizer.")
+    data: DataConfig = Field(description="Domains: prompt sources and verifiers.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Mixed-domain SFT.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling of the policy.")
+    expert: ExpertRLConfig = Field(default_factory=ExpertRLConfig, description="Per-domain expert GRPO.")
+    teachers: TeachersConfig = Field(default_factory=TeachersConfig, description="Teacher scoring/routing.")
+    mopd: MOPDConfig = Field(default_factory=MOPDConfig, description="Multi-teacher on-policy distillation.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RecipeConfig":
+        names = {d.name for d in self.data.domains}
+        for field_name, mix in (("sft.mix", self.sft.mix), ("expert.mix", self.expert.mix),
+                                ("mopd.mix", self.mopd.mix)):
+            for k in mix or {}:
+                if k not in names:
+                    raise ValueError(f"{field_name} names unknown domain '{k}'; known: {sorted(names)}")
+        for k in self.expert.domains or []:
+            if k not in names:
+                raise ValueError(f"expert.domains names unknown domain '{k}'; known: {sorted(names)}")
+        for k in self.teachers.mixture_weights or {}:
+            if k not in names:
+                raise ValueError(f"teachers.mixture_weights names unknown teacher '{k}'; known: {sorted(names)}")
+        return self
+
+    def domain_names(self) -> list[str]:
+        return [d.name for d in self.data.domains]
+
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# ---------------------------------------------------------------- loading, overrides, hashing
+
+
+def _error_line(e: ValidationError, source: str) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown config key '{loc}' — remove it or fix the spelling"
+    if err["type"] == "missing":
+        return f"{source}: missing required config key '{loc}'"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def resolve_preset(preset: str | Path) -> Path:
+    """A preset name (`tiny`) or a path to a YAML file."""
+    p = Path(preset)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = CONFIG_DIR / f"{preset}.yaml"
+    if cand.exists():
+        return cand
+    known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config preset '{preset}' not found: give a YAML path or one of {known}")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key.path=value (e.g. mopd.steps=50)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    data = json.loads(json.dumps(data))  # deep copy, plain types
+    for item in overrides or []:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                node = _list_item(node, part, path[: i + 1])
+                continue
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            node = nxt
+        last = path[-1]
+        if isinstance(node, list):
+            idx = _list_index(node, last, path)
+            node[idx] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _list_index(node: list, part: str, path: list[str]) -> int:
+    if part.isdigit() and int(part) < len(node):
+        return int(part)
+    names = [x.get("name") for x in node if isinstance(x, dict)]
+    if part in names:
+        return names.index(part)
+    raise ConfigError(f"override key '{'.'.join(path)}': no list item '{part}' (have {names or len(node)})")
+
+
+def _list_item(node: list, part: str, path: list[str]) -> Any:
+    return node[_list_index(node, part, path)]
+
+
+def config_from_dict(data: dict, source: str = "config") -> RecipeConfig:
+    try:
+        return RecipeConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_error_line(e, source)) from None
+
+
+def load_config(preset: str | Path = "tiny", overrides: list[str] | None = None) -> RecipeConfig:
+    """Read a preset (name or path), apply dotted `key=value` overrides, validate."""
+    path = resolve_preset(preset)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of config sections")
+    return config_from_dict(apply_overrides(data, overrides), source=str(path))
+
+
+def stage_fingerprint(*parts: Any) -> str:
+    """Stable hash of config sections/inputs: decides whether a finished stage can be reused."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, BaseModel):
+            return x.model_dump(mode="json")
+        return x
+    blob = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} → {'a.b': 1}; used for logging params."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,228 @@
+"""The domain contract: `Example`, the `Domain` base class, the domain registry and `DomainError`.
+
+A domain is a prompt source (train prompts sampled with a caller's `random.Random`, plus a fixed held-out eval
+set that training never sees) and a reward function in [0, 1]. Its `name` is the `teacher_id` that routes a
+sample to its teacher.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class DomainError(ValueError):
+    """Bad domain input (source, params, dataset file, row). The message is one line naming the field, file or
+    row, and the fix."""
+
+
+def _freeze(value: Any) -> Any:
+    """Deep-immutable copy: lists/tuples → tuples, mappings → FrozenFields, sets → frozensets."""
+    if isinstance(value, FrozenFields):
+        return value
+    if isinstance(value, Mapping):
+        return FrozenFields(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Inverse of `_freeze` into plain JSON-friendly containers (dicts and lists)."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_thaw(v) for v in value)
+    return value
+
+
+class FrozenFields(Mapping):
+    """An immutable, hashable mapping (nested lists become tuples, nested dicts FrozenFields), so that
+    `Example` stays hashable while `ex.fields["tests"]` works as with a dict."""
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, data: Mapping[str, Any] | None = None):
+        self._data = {str(k): _freeze(v) for k, v in (data or {}).items()}
+        self._hash: int | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(sorted(self._data.items(), key=lambda kv: kv[0])))
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"FrozenFields({self._data!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _thaw(self)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of one domain.
+
+    prompt:     the raw prompt string fed to the tokenizer (no chat template is applied here).
+    teacher_id: the domain name; routes the sample to its teacher.
+    answer:     reference completion (SFT target; exact-match/contains verifiers), without EOS.
+    fields:     extra verifier fields (e.g. "tests" for code_tests); stored immutable and hashable.
+    """
+
+    prompt: str
+    teacher_id: str
+    answer: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=FrozenFields)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fields, FrozenFields):
+            object.__setattr__(self, "fields", FrozenFields(self.fields))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly row (`fields` flattened into columns), the inverse of the dataset loader."""
+        row: dict[str, Any] = {"prompt": self.prompt, "teacher_id": self.teacher_id}
+        if self.answer is not None:
+            row["answer"] = self.answer
+        row.update(self.fields.to_dict())
+        return row
+
+
+def exact_match(completion: str, answer: str | None) -> float:
+    """1.0 when the completion equals the answer up to surrounding whitespace, else 0.0."""
+    if answer is None:
+        return 0.0
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+class Domain(ABC):
+    """A prompt source with a fixed held-out eval set and a reward in [0, 1].
+
+    Subclasses implement `train_examples`, `eval_examples` and `reward`; `rewards` is the batch form (override
+    it to parallelise, as the sandboxed code verifier does).
+    """
+
+    name: str
+
+    @abstractmethod
+    def train_examples(self, n: int, rng: random.Random) -> list[Example]:
+        """`n` training examples drawn with `rng` (deterministic given its state); never an eval prompt."""
+
+    @abstractmethod
+    def eval_examples(self) -> list[Example]:
+        """The fixed held-out eval set: the same list on every call, disjoint from every training prompt."""
+
+    @abstractmethod
+    def reward(self, example: Example, completion: str) -> float:
+        """Reward of `completion` for `example`, in [0, 1]."""
+
+    def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+        if len(examples) != len(completions):
+            raise ValueError(f"rewards: {len(examples)} examples but {len(completions)} completions; pass one "
+                             "completion per example")
+        return [float(self.reward(e, c)) for e, c in zip(examples, completions)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={getattr(self, 'name', '?')!r})"
+
+
+# ---- registry of synthetic domain kinds -------------------------------------------------------------------
+
+DomainFactory = Callable[..., Domain]
+_REGISTRY: dict[str, DomainFactory] = {}
+
+
+def register_domain(kind: str, factory: DomainFactory | None = None):
+    """Register a synthetic domain kind, reachable as `source="synthetic:<kind>"`.
+
+    The factory is called as `factory(name=..., eval_size=..., seed=..., **params)` and returns a Domain.
+    Usable directly (`register_domain("math", MathDomain)`) or as a decorator (`@register_domain("math")`).
+    Re-registering a kind replaces it.
+    """
+    if not isinstance(kind, str) or not kind or ":" in kind:
+        raise DomainError(f"domain kind must be a non-empty string without ':' (got {kind!r}); pick another name")
+
+    def _register(f: DomainFactory) -> DomainFactory:
+        if not callable(f):
+            raise DomainError(f"register_domain('{kind}'): factory {f!r} is not callable; pass a class or function")
+        _REGISTRY[kind] = f
+        return f
+
+    return _register(factory) if factory is not None else _register
+
+
+def available_domains() -> list[str]:
+    """The registered synthetic domain kinds, sorted."""
+    from . import synthetic  # noqa: F401  (registers the built-in kinds)
+
+    return sorted(_REGISTRY)
+
+
+def get_domain_factory(kind: str) -> DomainFactory:
+    known = available_domains()
+    if kind not in _REGISTRY:
+        raise DomainError(f"unknown synthetic domain kind '{kind}'; known kinds: {', '.join(known)} "
+                          "(use source 'synthetic:<kind>' or register_domain)")
+    return _REGISTRY[kind]
+
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None, eval_size: int = 200,
+                 seed: int = 0, verifier: str | None = None) -> Domain:
+    """Build the domain `name` from `source`.
+
+    source "synthetic:<kind>": a registered synthetic domain (its own exact-match reward; `params` go to its
+                               factory, unknown params are an error).
+    any other string:         a dataset path (.jsonl / .json / .parquet / `datasets.save_to_disk` dir); the
+                               rows whose teacher_id == name become a DatasetDomain. `params` may hold
+                               `split` (for a DatasetDict dir), `verifier` (same as the argument) and
+                               `max_eval_fraction`.
+    verifier: dataset sources only (default exact_match); synthetic domains accept only None/"exact_match".
+    """
+    if not isinstance(name, str) or not name:
+        raise DomainError(f"domain name must be a non-empty string (got {name!r}); set data.domains[].name")
+    if not isinstance(source, str) or not source.strip():
+        raise DomainError(f"domain '{name}': source must be 'synthetic:<kind>' or a dataset path (got {source!r})")
+    if isinstance(eval_size, bool) or not isinstance(eval_size, int) or eval_size < 0:
+        raise DomainError(f"domain '{name}': eval_size must be an int >= 0 (got {eval_size!r})")
+    params = dict(params or {})
+    if source.startswith(SYNTHETIC_PREFIX):
+        kind = source[len(SYNTHETIC_PREFIX):]
+        if verifier not in (None, "exact_match"):
+            raise DomainError(f"domain '{name}': synthetic sources bring their own exact-match reward; remove "
+                              f"verifier '{verifier}' or use a dataset source")
+        factory = get_domain_factory(kind)
+        return factory(name=name, eval_size=eval_size, seed=seed, **params)
+
+    from .dataset import DatasetDomain, load_examples_cached
+
+    known = {"split", "verifier", "max_eval_fraction"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise DomainError(f"domain '{name}': unknown params {unknown} for dataset source {source}; accepted: "
+                          f"{', '.join(sorted(known))}")
+    if verifier is not None and "verifier" in params and params["verifier"] != verifier:
+        raise DomainError(f"domain '{name}': verifier given twice ({verifier!r} and params.verifier="
+                          f"{params['verifier']!r}); keep one")
+    v = verifier or params.get("verifier") or "exact_match"
+    examples = load_examples_cached(source, split=params.get("split"))
+    kwargs = {}
+    if "max_eval_fraction" in params:
+        kwargs["max_eval_fraction"] = params["max_eval_fraction"]
+    return DatasetDomain(name, examples, verifier=v, eval_size=eval_size, seed=seed, source=source, **kwargs)

@@ -1,0 +1,212 @@
+"""Character-level synthetic domains for the tiny CPU recipe (see FIELD_NOTES "Tiny model").
+
+    math  "37+45=" → "82", "91-27=" → "64" (a ≥ b for '-', so no negatives)
+    code  "sort:31425=" → "12345" (digits), "rev:abcde=" → "edcba" (lowercase letters)
+    if    "upper:abcd=" → "ABCD", "rep3:ab=" → "ababab"
+
+The completion is the answer string (the tokenizer appends EOS elsewhere); reward = exact match after
+stripping surrounding whitespace. The held-out eval set is `eval_size` distinct prompts drawn from a generator
+seeded by (kind, seed) only — not by the domain's name — so it is the same for every run with that seed;
+`train_examples` rejects every eval prompt, so training never sees one.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from .base import Domain, DomainError, Example, exact_match, register_domain
+
+_MAX_REJECTIONS = 10_000
+
+
+class SyntheticDomain(Domain):
+    """Base for generated domains: subclasses set `kind`, `DEFAULTS` and implement `sample` and `space_size`."""
+
+    kind: ClassVar[str] = ""
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, name: str | None = None, *, eval_size: int = 200, seed: int = 0, **params: Any):
+        self.name = name or self.kind
+        unknown = sorted(set(params) - set(self.DEFAULTS))
+        if unknown:
+            raise DomainError(f"domain '{self.name}' (synthetic:{self.kind}): unknown params {unknown}; accepted: "
+                              f"{', '.join(f'{k} (default {v!r})' for k, v in self.DEFAULTS.items()) or 'none'}")
+        self.params: dict[str, Any] = {**self.DEFAULTS, **params}
+        self._check_params()
+        if isinstance(eval_size, bool) or not isinstance(eval_size, int) or eval_size < 0:
+            raise DomainError(f"domain '{self.name}': eval_size must be an int >= 0 (got {eval_size!r})")
+        space = self.space_size()
+        if eval_size > space // 2:
+            raise DomainError(f"domain '{self.name}': eval_size={eval_size} is more than half of the "
+                              f"{space} distinct prompts of synthetic:{self.kind} with params {self.params}; "
+                              "lower eval_size or enlarge the task (params)")
+        self.eval_size = eval_size
+        self.seed = seed
+        rng = random.Random(f"mopd-eval:{self.kind}:{seed}")
+        seen: set[str] = set()
+        evals: list[Example] = []
+        while len(evals) < eval_size:
+            ex = self.sample(rng)
+            if ex.prompt not in seen:
+                seen.add(ex.prompt)
+                evals.append(ex)
+        self._eval = tuple(evals)
+        self._eval_prompts = frozenset(seen)
+
+    # -- subclass hooks --------------------------------------------------------------------------------------
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Example:
+        """One random example (may be an eval prompt; callers filter)."""
+
+    @abstractmethod
+    def space_size(self) -> int:
+        """Number of distinct prompts the generator can produce."""
+
+    def _check_params(self) -> None:
+        pass
+
+    def _param_error(self, key: str, why: str) -> DomainError:
+        return DomainError(f"domain '{self.name}' (synthetic:{self.kind}): params.{key}={self.params[key]!r} {why}")
+
+    def _int_param(self, key: str, lo: int, hi: int) -> int:
+        v = self.params[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._param_error(key, f"must be an int in [{lo}, {hi}]")
+        return v
+
+    def _tasks_param(self, key: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+        v = self.params[key]
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not v or any(t not in allowed for t in v):
+            raise self._param_error(key, f"must be a non-empty list drawn from {list(allowed)}")
+        return tuple(dict.fromkeys(v))
+
+    # -- Domain API ------------------------------------------------------------------------------------------
+    def train_examples(self, n: int, rng: random.Random) -> list[Example]:
+        out: list[Example] = []
+        for _ in range(n):
+            for _attempt in range(_MAX_REJECTIONS):
+                ex = self.sample(rng)
+                if ex.prompt not in self._eval_prompts:
+                    out.append(ex)
+                    break
+            else:  # pragma: no cover - impossible while eval_size <= space/2
+                raise RuntimeError(f"domain '{self.name}': could not draw a non-eval prompt")
+        return out
+
+    def eval_examples(self) -> list[Example]:
+        return list(self._eval)
+
+    def is_eval_prompt(self, prompt: str) -> bool:
+        return prompt in self._eval_prompts
+
+    def reward(self, example: Example, completion: str) -> float:
+        return exact_match(completion, example.answer)
+
+    def _ex(self, prompt: str, answer: str) -> Example:
+        return Example(prompt=prompt, teacher_id=self.name, answer=answer)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, eval_size={self.eval_size}, seed={self.seed}, " \
+               f"params={self.params})"
+
+
+@register_domain("math")
+class MathDomain(SyntheticDomain):
+    """`digits`-digit operands (no leading zeros), ops from "+-*"; "37+45=" → "82", "91-27=" → "64"."""
+
+    kind = "math"
+    DEFAULTS = {"digits": 2, "ops": "+-"}
+
+    def _check_params(self) -> None:
+        d = self._int_param("digits", 1, 9)
+        ops = self.params["ops"]
+        if not isinstance(ops, str) or not ops or any(o not in "+-*" for o in ops):
+            raise self._param_error("ops", "must be a non-empty string of operators from '+-*'")
+        self._ops = "".join(dict.fromkeys(ops))
+        self._lo = 10 ** (d - 1) if d > 1 else 0
+        self._hi = 10 ** d - 1
+
+    def sample(self, rng: random.Random) -> Example:
+        op = self._ops[rng.randrange(len(self._ops))]
+        a = rng.randint(self._lo, self._hi)
+        b = rng.randint(self._lo, self._hi)
+        if op == "-" and a < b:
+            a, b = b, a
+        val = a + b if op == "+" else a - b if op == "-" else a * b
+        return self._ex(f"{a}{op}{b}=", str(val))
+
+    def space_size(self) -> int:
+        n = self._hi - self._lo + 1
+        return sum(n * (n + 1) // 2 if op == "-" else n * n for op in self._ops)
+
+
+@register_domain("code")
+class CodeDomain(SyntheticDomain):
+    """Program-like transformations: "sort:31425=" → "12345" (digits), "rev:abcde=" → "edcba" (letters)."""
+
+    kind = "code"
+    DEFAULTS = {"length": 5, "tasks": ["sort", "rev"]}
+    TASKS = ("sort", "rev")
+
+    def _check_params(self) -> None:
+        self._len = self._int_param("length", 1, 32)
+        self._tasks = self._tasks_param("tasks", self.TASKS)
+
+    def sample(self, rng: random.Random) -> Example:
+        task = self._tasks[rng.randrange(len(self._tasks))]
+        if task == "sort":
+            s = "".join(rng.choice(string.digits) for _ in range(self._len))
+            return self._ex(f"sort:{s}=", "".join(sorted(s)))
+        s = "".join(rng.choice(string.ascii_lowercase) for _ in range(self._len))
+        return self._ex(f"rev:{s}=", s[::-1])
+
+    def space_size(self) -> int:
+        return sum(10 ** self._len if t == "sort" else 26 ** self._len for t in self._tasks)
+
+
+@register_domain("if")
+class InstructionDomain(SyntheticDomain):
+    """Instruction following: "upper:abcd=" → "ABCD" (word of upper_min_len..upper_max_len letters) and
+    "rep3:ab=" → "ababab" (k in rep_min_k..rep_max_k, word of rep_min_len..rep_max_len letters)."""
+
+    kind = "if"
+    DEFAULTS = {"tasks": ["upper", "rep"], "upper_min_len": 3, "upper_max_len": 5, "rep_min_len": 2,
+                "rep_max_len": 3, "rep_min_k": 2, "rep_max_k": 3}
+    TASKS = ("upper", "rep")
+
+    def _check_params(self) -> None:
+        self._tasks = self._tasks_param("tasks", self.TASKS)
+        ul, uh = self._int_param("upper_min_len", 1, 32), self._int_param("upper_max_len", 1, 32)
+        rl, rh = self._int_param("rep_min_len", 1, 32), self._int_param("rep_max_len", 1, 32)
+        kl, kh = self._int_param("rep_min_k", 1, 9), self._int_param("rep_max_k", 1, 9)
+        for lo, hi, key in ((ul, uh, "upper_max_len"), (rl, rh, "rep_max_len"), (kl, kh, "rep_max_k")):
+            if hi < lo:
+                raise self._param_error(key, f"must be >= its min ({lo})")
+        self._upper, self._rep, self._k = (ul, uh), (rl, rh), (kl, kh)
+
+    @staticmethod
+    def _word(rng: random.Random, lo: int, hi: int) -> str:
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
+
+    def sample(self, rng: random.Random) -> Example:
+        task = self._tasks[rng.randrange(len(self._tasks))]
+        if task == "upper":
+            w = self._word(rng, *self._upper)
+            return self._ex(f"upper:{w}=", w.upper())
+        k = rng.randint(*self._k)
+        w = self._word(rng, *self._rep)
+        return self._ex(f"rep{k}:{w}=", w * k)
+
+    def space_size(self) -> int:
+        words = lambda lo, hi: sum(26 ** n for n in range(lo, hi + 1))  # noqa: E731
+        total = 0
+        if "upper" in self._tasks:
+            total += words(*self._upper)
+        if "rep" in self._tasks:
+            total += (self._k[1] - self._k[0] + 1) * words(*self._rep)
+        return total

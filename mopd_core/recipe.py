@@ -1,0 +1,192 @@
+"""Stage functions — the engine's public entry points. The CLI calls them in order (`mopd recipe`); the Prefect
+tasks call the same functions one by one. Stages pass model references (checkpoint dirs), never objects.
+
+Each stage owns `<output_dir>/<name>/<stage>/` and a fingerprint of everything that determines its result
+(its config sections, the seed, and the identity of its input models). Re-running a finished stage with the
+same fingerprint reuses it; an interrupted one resumes from its last checkpoint; a folder written under another
+fingerprint is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import RecipeConfig, stage_fingerprint
+from .domains import build_domain
+from .runtime import device as devlib
+
+log = logging.getLogger("mopd")
+
+
+@dataclass
+class StageOutput:
+    stage: str
+    model_dir: Path
+    stage_dir: Path
+    eval: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    history: list = field(default_factory=list)
+
+
+@dataclass
+class RecipeResult:
+    outputs: dict[str, StageOutput]
+    accuracy: dict[str, dict[str, dict[str, float]]]
+    table: str
+    wall_s: dict[str, float]
+
+
+def setup_runtime(recipe: RecipeConfig) -> None:
+    from .models import quiet_hf
+
+    quiet_hf()
+    devlib.configure_threads(recipe.runtime.num_threads)
+    devlib.seed_everything(recipe.seed)
+    if recipe.runtime.deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
+    specs = [d for d in recipe.data.domains if names is None or d.name in names]
+    return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
+                                 verifier=d.verifier) for d in specs}
+
+
+def model_ref_id(path: str | Path) -> str:
+    """Identity of an input model for fingerprints: the producing stage's fingerprint when the path is a stage's
+    `final/` dir (so a retrained upstream invalidates downstream), else the path itself."""
+    from .train.checkpoint import read_stage
+
+    p = Path(path)
+    info = read_stage(p.parent) if p.name == "final" else None
+    return f"{p}@{info['fingerprint']}" if info else str(p)
+
+
+def base_model(recipe: RecipeConfig) -> Path | str:
+    """`tiny` → build the tiny Llama + char tokenizer locally (no download); else the given id/path."""
+    if recipe.model.base != "tiny":
+        return recipe.model.base
+    from .models import build_tiny
+
+    return build_tiny(recipe.model, recipe.run_dir() / "base", seed=recipe.seed)
+
+
+def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bool = True) -> StageOutput:
+    from .train.sft import run_sft
+
+    t0 = time.perf_counter()
+    base = base or base_model(recipe)
+    domains = build_domains(recipe)
+    fp = stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, recipe.sft,
+                           recipe.rollout.max_new_tokens, recipe.eval, model_ref_id(base))
+    res = run_sft(recipe=recipe, base_path=base, domains=domains, stage_dir=recipe.run_dir() / "sft",
+                  fingerprint=fp, progress=progress)
+    return StageOutput("sft", res.final_dir, recipe.run_dir() / "sft", res.eval, time.perf_counter() - t0,
+                       res.history)
+
+
+def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True) -> StageOutput:
+    """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting)."""
+    from .train.loop import run_policy_loop
+
+    t0 = time.perf_counter()
+    all_domains = build_domains(recipe)
+    if domain not in all_domains:
+        raise ValueError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
+    cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
+    fp = stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+                           cfg.model_dump(exclude={"domains"}), recipe.eval, model_ref_id(init))
+    name = f"expert-{domain}"
+    res = run_policy_loop(stage=name, loop_cfg=cfg, recipe=recipe, init_path=init,
+                          domains={domain: all_domains[domain]}, eval_domains=all_domains,
+                          stage_dir=recipe.run_dir() / name, fingerprint=fp, progress=progress)
+    return StageOutput(name, res.final_dir, recipe.run_dir() / name, res.eval, time.perf_counter() - t0,
+                       res.history)
+
+
+def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path]):
+    if recipe.teachers.backend != "local":
+        raise NotImplementedError("teachers.backend=http arrives with the teacher-serving stage; use local")
+    from .teachers import build_local_router
+
+    dinfo = devlib.resolve(recipe.runtime.device)
+    return build_local_router(teachers, recipe.teachers, dinfo.torch_device, recipe.runtime.dtype)
+
+
+def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
+               progress: bool = True, stage_name: str = "student") -> StageOutput:
+    """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
+    its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D."""
+    from .train.loop import run_policy_loop
+
+    t0 = time.perf_counter()
+    domains = build_domains(recipe)
+    fp = stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+                           recipe.teachers, recipe.mopd, recipe.eval, model_ref_id(student_init),
+                           {k: model_ref_id(v) for k, v in sorted(teachers.items())})
+    router = build_teachers(recipe, teachers) if recipe.mopd.w_kd > 0 else None
+    res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
+                          domains=domains, eval_domains=domains, stage_dir=recipe.run_dir() / stage_name,
+                          fingerprint=fp, teachers=router, progress=progress)
+    return StageOutput(stage_name, res.final_dir, recipe.run_dir() / stage_name, res.eval,
+                       time.perf_counter() - t0, res.history)
+
+
+def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool = True) -> StageOutput:
+    """Multi-domain GRPO with MOPD's exact sampling budget (same steps, prompts, group size): the comparison
+    that tells whether the teachers add anything beyond the rewards."""
+    base = recipe.model_copy(deep=True)
+    base.mopd = recipe.mopd.model_copy(update={"w_kd": 0.0, "w_rl": 1.0, "kd_loss": "sampled_rkl"})
+    return mopd_stage(base, init, {}, progress=progress, stage_name="grpo-baseline")
+
+
+def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path]) -> dict[str, dict[str, dict[str, float]]]:
+    from .train.loop import evaluate_checkpoint
+
+    domains = build_domains(recipe)
+    return {label: evaluate_checkpoint(path, recipe, domains) for label, path in models.items()}
+
+
+def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = False,
+               baseline: bool = False) -> RecipeResult:
+    """sft → one expert per domain → mopd (student from sft, teachers = experts) → evaluate."""
+    from .evaluation import accuracy_table, plot_accuracy
+
+    setup_runtime(recipe)
+    run_dir = recipe.run_dir()
+    build_domains(recipe)  # validates every data source before any compute
+    if restart and run_dir.exists():
+        shutil.rmtree(run_dir)
+    outputs: dict[str, StageOutput] = {}
+    t0 = time.perf_counter()
+    base = base_model(recipe)
+    outputs["sft"] = sft_stage(recipe, base, progress)
+    log.info("sft done in %.0fs", outputs["sft"].wall_s)
+    for d in recipe.expert.domains or recipe.domain_names():
+        out = expert_stage(recipe, d, outputs["sft"].model_dir, progress)
+        outputs[out.stage] = out
+        log.info("%s done in %.0fs", out.stage, out.wall_s)
+    teachers = {d: outputs[f"expert-{d}"].model_dir for d in recipe.expert.domains or recipe.domain_names()}
+    outputs["student"] = mopd_stage(recipe, outputs["sft"].model_dir, teachers, progress)
+    log.info("student done in %.0fs", outputs["student"].wall_s)
+    if baseline:
+        outputs["grpo-baseline"] = grpo_baseline_stage(recipe, outputs["sft"].model_dir, progress)
+    te = time.perf_counter()
+    models = {"base": base, **{k: v.model_dir for k, v in outputs.items()}}
+    acc = eval_stage(recipe, models)
+    wall = {k: v.wall_s for k, v in outputs.items()}
+    wall["eval"] = time.perf_counter() - te
+    wall["total"] = time.perf_counter() - t0
+    table = accuracy_table(acc, "greedy", recipe.domain_names())
+    (run_dir / "accuracy.md").write_text(table + "\n")
+    plot_accuracy(acc, run_dir / "accuracy.png")
+    import json
+
+    (run_dir / "accuracy.json").write_text(json.dumps({"accuracy": acc, "wall_s": wall}, indent=2))
+    return RecipeResult(outputs, acc, table, wall)

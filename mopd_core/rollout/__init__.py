@@ -1,0 +1,197 @@
+"""Rollout: the batch layout shared by sampling, teacher scoring and training, plus the generation engines.
+
+Layout of a `RolloutBatch` (B sequences): prompts left-padded to P, completions right-padded to T:
+
+    input_ids = [pad pad p0 p1 p2 | c0 c1 <eos> pad]      attention = [0 0 1 1 1 | 1 1 1 0]
+                 ^ prompt_ids (B,P)   ^ completion_ids (B,T), completion_mask marks c0..<eos>
+
+The log-prob of completion token t comes from the logits at position P-1+t; every scorer (behaviour policy,
+trainer, local teacher) goes through `completion_logprobs`, so their numbers are comparable by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..models import forward
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor        # [B,P] left-padded
+    prompt_mask: torch.Tensor       # [B,P]
+    completion_ids: torch.Tensor    # [B,T] right-padded with pad id
+    completion_mask: torch.Tensor   # [B,T] 1 for sampled tokens up to and including EOS
+    behaviour_logp: torch.Tensor    # [B,T] log π_old(y_t) at the sampling temperature, 0 where masked
+    examples: list[Any] = field(default_factory=list)  # one Example per row (prompt, teacher_id, answer…)
+    texts: list[str] = field(default_factory=list)     # decoded completions (no special tokens)
+
+    @property
+    def size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.prompt_ids.device)
+        il = idx.tolist()
+        return RolloutBatch(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
+                            self.completion_mask[idx], self.behaviour_logp[idx],
+                            [self.examples[i] for i in il] if self.examples else [],
+                            [self.texts[i] for i in il] if self.texts else [])
+
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device),
+                            self.completion_ids.to(device), self.completion_mask.to(device),
+                            self.behaviour_logp.to(device), self.examples, self.texts)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding (a left-padded row must see the same positions as an unpadded one)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, full: bool = False,
+                        micro_batch_size: int | None = None):
+    """Per-token log-probs of the completion tokens under `model`: `[B,T]` (and the full `[B,T,V]` log-softmax
+    when `full`). Gradients flow when called outside `no_grad`. Micro-batching bounds activation memory."""
+    B, T = batch.completion_ids.shape
+    step = micro_batch_size or B
+    token_lp, full_lp = [], []
+    for s in range(0, B, step):
+        sub = batch.select(range(s, min(B, s + step))) if step < B else batch
+        ids, am = sub.input_ids(), sub.attention_mask()
+        logits, _ = forward(model, ids, am, position_ids(am), logits_to_keep=T + 1)
+        logits = logits[:, :-1].float() / temperature  # position P-1+t predicts completion token t
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = lp.gather(-1, sub.completion_ids.unsqueeze(-1)).squeeze(-1)
+        token_lp.append(torch.where(sub.completion_mask.bool(), tok, torch.zeros_like(tok)))
+        if full:
+            full_lp.append(lp)
+    out = torch.cat(token_lp)
+    return (out, torch.cat(full_lp)) if full else out
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], device, max_prompt_tokens: int | None = None):
+    """Left-pad tokenised prompts into `[B,P]` ids and mask."""
+    enc = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    if max_prompt_tokens is not None:
+        for p, e in zip(prompts, enc):
+            if len(e) > max_prompt_tokens:
+                raise ValueError(f"prompt of {len(e)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}:"
+                                 f" {p[:40]!r}… — raise data.max_prompt_tokens or shorten the prompt")
+    P = max(len(e) for e in enc)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(enc), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(enc), P), dtype=torch.long)
+    for i, e in enumerate(enc):
+        if e:
+            ids[i, P - len(e):] = torch.tensor(e)
+            mask[i, P - len(e):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix with mass ≥ top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+           eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+           generator: torch.Generator | None = None):
+    """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs
+    `[B,T]` (log-softmax of logits/temperature, the untruncated distribution, as vLLM reports them)."""
+    B = prompt_ids.shape[0]
+    dev = prompt_ids.device
+    am = prompt_mask.clone()
+    pos = position_ids(am)
+    logits, cache = forward(model, prompt_ids, am, pos, use_cache=True, logits_to_keep=1)
+    next_pos = pos[:, -1:] + 1
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    toks, lps, masks = [], [], []
+    for _ in range(max_new_tokens):
+        lg = logits[:, -1].float() / temperature
+        logp = torch.log_softmax(lg, dim=-1)
+        if greedy:
+            tok = lg.argmax(-1)
+        else:
+            probs = logp.exp()
+            if top_p < 1.0:
+                probs = _top_p_filter(probs, top_p)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        live = ~finished
+        toks.append(torch.where(live, tok, torch.full_like(tok, pad_id)))
+        lps.append(torch.where(live, lp, torch.zeros_like(lp)))
+        masks.append(live.long())
+        finished = finished | (tok == eos_id)
+        if bool(finished.all()):
+            break
+        am = torch.cat([am, torch.ones((B, 1), dtype=am.dtype, device=dev)], dim=1)
+        logits, cache = forward(model, toks[-1][:, None], am, next_pos, cache=cache, use_cache=True)
+        next_pos = next_pos + 1
+    return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
+
+
+class HFRollout:
+    """`rollout.backend: hf` — samples from the trainer's own module (colocated by construction: the weight
+    hand-over is the identity, zero bytes copied)."""
+
+    def __init__(self, model, tokenizer, device, max_prompt_tokens: int | None = None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
+                 batch_size: int | None = None) -> RolloutBatch:
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        step = batch_size or len(examples)
+        try:
+            for s in range(0, len(examples), step):
+                chunk = list(examples[s:s + step])
+                ids, mask = encode_prompts(self.tokenizer, [e.prompt for e in chunk], self.device,
+                                           self.max_prompt_tokens)
+                c_ids, c_mask, c_lp = sample(
+                    self.model, ids, mask, max_new_tokens=max_new_tokens, eos_id=self.tokenizer.eos_token_id,
+                    pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, greedy=greedy,
+                    generator=generator)
+                texts = self.tokenizer.batch_decode(
+                    [row[m.bool()].tolist() for row, m in zip(c_ids.cpu(), c_mask.cpu())],
+                    skip_special_tokens=True)
+                parts.append(RolloutBatch(ids, mask, c_ids, c_mask, c_lp, chunk, texts))
+        finally:
+            self.model.train(was_training)
+        return concat_batches(parts, self.tokenizer.pad_token_id)
+
+
+def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.prompt_ids.shape[1] for p in parts)
+    T = max(p.completion_ids.shape[1] for p in parts)
+
+    def left(x, n, v):
+        return torch.nn.functional.pad(x, (n - x.shape[1], 0), value=v)
+
+    def right(x, n, v):
+        return torch.nn.functional.pad(x, (0, n - x.shape[1]), value=v)
+
+    return RolloutBatch(
+        torch.cat([left(p.prompt_ids, P, pad_id) for p in parts]),
+        torch.cat([left(p.prompt_mask, P, 0) for p in parts]),
+        torch.cat([right(p.completion_ids, T, pad_id) for p in parts]),
+        torch.cat([right(p.completion_mask, T, 0) for p in parts]),
+        torch.cat([right(p.behaviour_logp, T, 0.0) for p in parts]),
+        [e for p in parts for e in p.examples], [t for p in parts for t in p.texts])

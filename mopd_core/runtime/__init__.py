@@ -1,0 +1,1 @@
+"""Runtime: the device layer (`device`) — later also the Ray cluster helpers."""

@@ -1,0 +1,162 @@
+"""Teachers: scorers behind one interface and the router that turns per-teacher scores into ℓᵀ.
+
+A scorer implements `score(batch, top_k=0) -> TeacherScore`: the teacher's log-prob of every sampled
+completion token (and optionally its top-k), on the batch's device. `local` keeps the model in-process
+(offloaded to CPU memory between calls); the `http` backend (vLLM servers) plugs in behind the same interface.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..algorithms import mix_teacher_logprobs
+from ..models import check_same_tokenizer, load_model, load_tokenizer, tokenizer_fingerprint
+from ..rollout import RolloutBatch, completion_logprobs
+
+
+class TeacherError(ValueError):
+    """Bad teacher configuration (unknown id, tokenizer mismatch…); one line naming teacher and fix."""
+
+
+@dataclass
+class TeacherScore:
+    logp: torch.Tensor                    # [B,T] log-prob of each sampled token (0 where masked)
+    topk_ids: torch.Tensor | None = None  # [B,T,k]
+    topk_logp: torch.Tensor | None = None  # [B,T,k]
+
+
+class LocalTeacher:
+    """In-process teacher. With `offload`, weights live in CPU memory and visit the device only to score."""
+
+    def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
+                 offload: bool = True, temperature: float = 1.0, batch_size: int | None = None):
+        self.name, self.path, self.device = name, str(path), torch.device(device)
+        self.offload = offload and self.device.type != "cpu"
+        self.temperature, self.batch_size = temperature, batch_size
+        self.tokenizer = load_tokenizer(path)
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.model = load_model(path, "cpu" if self.offload else self.device, dtype).eval()
+        self.model.requires_grad_(False)
+        self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0}
+
+    @property
+    def resident(self) -> bool:
+        return next(self.model.parameters()).device.type == self.device.type
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
+        t0 = time.perf_counter()
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            if top_k:
+                logp, full = completion_logprobs(self.model, batch, self.temperature, full=True,
+                                                 micro_batch_size=self.batch_size)
+                tk = full.topk(top_k, dim=-1)
+                out = TeacherScore(logp, tk.indices, tk.values)
+            else:
+                out = TeacherScore(completion_logprobs(self.model, batch, self.temperature,
+                                                       micro_batch_size=self.batch_size))
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+        self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["tokens"] += int(batch.completion_mask.sum())
+        self.stats["calls"] += 1
+        return out
+
+
+@dataclass
+class RoutedScore:
+    logp: torch.Tensor                         # [B,T] ℓᵀ after routing / mixing
+    teacher_index: torch.Tensor                # [B] index of the routed teacher (mixture: the domain's argmax)
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
+    seconds: float = 0.0
+    # teacher → (rows it scored [n], its own log-probs of those rows [n,T]) — for per-teacher metrics
+    per_teacher: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class TeacherRouter:
+    """Domain routing (each sample → the teacher of its `teacher_id`) or mixture routing (weights per teacher,
+    optionally per domain; arithmetic or geometric, DESIGN §3)."""
+
+    def __init__(self, teachers: dict, routing: str = "domain", mixture_kind: str = "arithmetic",
+                 mixture_weights: dict[str, float] | None = None,
+                 domain_mixture_weights: dict[str, dict[str, float]] | None = None):
+        if not teachers:
+            raise TeacherError("no teachers given: MOPD needs one teacher per domain (teachers: {id: path})")
+        self.teachers = dict(teachers)
+        self.names = list(self.teachers)
+        self.routing, self.mixture_kind = routing, mixture_kind
+        self.mixture_weights = mixture_weights
+        self.domain_mixture_weights = domain_mixture_weights or {}
+        for table in [mixture_weights or {}, *self.domain_mixture_weights.values()]:
+            for t in table:
+                if t not in self.teachers:
+                    raise TeacherError(f"teachers.mixture_weights names unknown teacher '{t}'; known teachers: "
+                                       f"{', '.join(self.names)}")
+
+    def check(self, student_fingerprint: str, teacher_ids) -> None:
+        """Pre-flight: same tokenizer everywhere, a teacher for every teacher_id. Raises before any compute."""
+        for name, t in self.teachers.items():
+            check_same_tokenizer(student_fingerprint, t.fingerprint, name, f" ({t.path})")
+        if self.routing == "domain":
+            for tid in sorted(set(teacher_ids)):
+                if tid not in self.teachers:
+                    raise TeacherError(f"unknown teacher_id '{tid}': no teacher serves it; known teachers: "
+                                       f"{', '.join(self.names)} — add a teacher for it or fix the data")
+
+    def _weights(self, teacher_ids: list[str], device) -> torch.Tensor:
+        K = len(self.names)
+        rows = []
+        for tid in teacher_ids:
+            table = self.domain_mixture_weights.get(tid) or self.mixture_weights or {n: 1.0 for n in self.names}
+            rows.append([float(table.get(n, 0.0)) for n in self.names])
+        w = torch.tensor(rows, dtype=torch.float32, device=device).reshape(len(teacher_ids), K)
+        return w
+
+    def score(self, batch: RolloutBatch, top_k: int = 0) -> RoutedScore:
+        t0 = time.perf_counter()
+        tids = [e.teacher_id for e in batch.examples]
+        dev = batch.completion_ids.device
+        B, T = batch.completion_ids.shape
+        if self.routing == "domain":
+            logp = torch.zeros(B, T, device=dev)
+            index = torch.tensor([self.names.index(t) for t in tids], device=dev)
+            tk_ids = torch.zeros(B, T, top_k, dtype=torch.long, device=dev) if top_k else None
+            tk_lp = torch.zeros(B, T, top_k, device=dev) if top_k else None
+            per = {}
+            for k, name in enumerate(self.names):
+                rows = (index == k).nonzero().squeeze(-1)
+                if rows.numel() == 0:
+                    continue
+                s = self.teachers[name].score(batch.select(rows), top_k)
+                logp[rows] = s.logp.to(dev)
+                per[name] = (rows, s.logp.to(dev))
+                if top_k:
+                    tk_ids[rows], tk_lp[rows] = s.topk_ids.to(dev), s.topk_logp.to(dev)
+            return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per)
+        if top_k:
+            raise TeacherError("top-k scores (mopd.kd_loss=jsd) need teachers.routing=domain")
+        scores = torch.stack([self.teachers[n].score(batch).logp.to(dev) for n in self.names])  # [K,B,T]
+        w = self._weights(tids, dev)
+        mixed = mix_teacher_logprobs(scores, w, self.mixture_kind)
+        mixed = torch.where(batch.completion_mask.bool(), mixed, torch.zeros_like(mixed))
+        all_rows = torch.arange(B, device=dev)
+        return RoutedScore(mixed, w.argmax(-1), None, None, time.perf_counter() - t0,
+                           {n: (all_rows, scores[k]) for k, n in enumerate(self.names)})
+
+    def stats(self) -> dict[str, dict]:
+        return {n: dict(getattr(t, "stats", {})) for n, t in self.teachers.items()}
+
+
+def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32") -> TeacherRouter:
+    """`cfg` is a TeachersConfig."""
+    teachers = {n: LocalTeacher(n, p, device, dtype, cfg.offload, cfg.temperature, cfg.batch_size)
+                for n, p in paths.items()}
+    return TeacherRouter(teachers, cfg.routing, cfg.mixture_kind, cfg.mixture_weights, cfg.domain_mixture_weights)

@@ -1,0 +1,1 @@
+"""Training: mixed SFT (TRL SFTTrainer) and the one on-policy loop (expert RL and MOPD)."""

@@ -1,0 +1,86 @@
+"""Checkpoints of a training stage: `save_pretrained` weights + tokenizer, plus optimizer/scheduler/RNG/step
+state, written to a temp dir and renamed so a crash mid-write never corrupts the last good checkpoint.
+
+Stage folder layout::
+
+    <stage>/stage.json            fingerprint of the stage's config + inputs, status (running/done), results
+    <stage>/checkpoints/step-N/   model, tokenizer, loop_state.pt
+    <stage>/final/                the finished model (what later stages consume)
+    <stage>/metrics.jsonl         one JSON object per step
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import save_pretrained
+
+
+class StageStateError(ValueError):
+    """The stage folder belongs to another config; one line naming the folder and the fix."""
+
+
+def read_stage(stage_dir: Path) -> dict | None:
+    p = Path(stage_dir) / "stage.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def write_stage(stage_dir: Path, info: dict) -> None:
+    stage_dir = Path(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    tmp = stage_dir / "stage.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2, default=str))
+    tmp.replace(stage_dir / "stage.json")
+
+
+def claim_stage(stage_dir: Path, fingerprint: str, meta: dict | None = None) -> dict | None:
+    """Returns the stage record if this folder already holds the same stage (to resume or reuse); a folder of a
+    different stage config is refused — nothing in it is touched."""
+    info = read_stage(stage_dir)
+    if info is not None and info.get("fingerprint") != fingerprint:
+        raise StageStateError(
+            f"{stage_dir} holds a run with another config (fingerprint {info.get('fingerprint')} ≠ {fingerprint});"
+            " pass --restart to discard it or choose another output_dir/name")
+    if info is None:
+        write_stage(stage_dir, {"fingerprint": fingerprint, "status": "running", **(meta or {})})
+    return info
+
+
+def checkpoint_dirs(stage_dir: Path) -> list[Path]:
+    root = Path(stage_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and
+            (d / "loop_state.pt").exists()]
+    return sorted(dirs, key=lambda d: int(d.name.split("-")[1]))
+
+
+def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None,
+                    keep: int = 2) -> Path:
+    root = Path(stage_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_pretrained(model, tokenizer, tmp / "model")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "extra": extra or {}},
+               tmp / "loop_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in checkpoint_dirs(stage_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_loop_state(ckpt: Path) -> dict[str, Any]:
+    return torch.load(Path(ckpt) / "loop_state.pt", map_location="cpu", weights_only=False)

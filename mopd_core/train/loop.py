@@ -1,0 +1,311 @@
+"""The one on-policy loop. Expert RL = the loop without teachers (w_kd = 0); MOPD = the loop with teachers
+(w_kd > 0, optionally w_rl > 0 for reward + distillation).
+
+Each step: sample prompts (domain mix) → rollout G samples each → verifier rewards and teacher scores →
+advantages A = w_rl·A^R + w_kd·A^D (DESIGN §3) → PPO-clip update(s) → metrics; eval and checkpoint every N.
+
+All randomness of step s is derived from (seed, stage name, s) — prompt choice and the sampling generator —
+so a resumed run replays exactly the steps an uninterrupted one would have taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from .. import algorithms as alg
+from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
+from ..evaluation import evaluate_model
+from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
+from ..rollout import HFRollout, RolloutBatch, completion_logprobs
+from ..runtime import device as devlib
+from .checkpoint import checkpoint_dirs, claim_stage, load_loop_state, read_stage, save_checkpoint, write_stage
+from .progress import StageProgress
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss or gradient; the last good checkpoint is kept untouched."""
+
+
+@dataclass
+class LoopResult:
+    final_dir: Path
+    eval: dict[str, dict[str, float]]
+    history: list[dict] = field(default_factory=list)
+    resumed_from: int = 0
+    stage_dir: Path | None = None
+
+
+def _mix(loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, names: list[str]) -> list[float]:
+    table = loop_cfg.mix or {d.name: d.weight for d in recipe.data.domains}
+    w = [float(table.get(n, 0.0)) for n in names]
+    if sum(w) <= 0:
+        raise ValueError(f"prompt mix gives zero weight to every domain of {names}; set mix weights > 0")
+    return w
+
+
+def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
+    names = list(domains)
+    picks = rng.choices(range(len(names)), weights=weights, k=n)
+    out = []
+    for i, name in enumerate(names):
+        c = picks.count(i)
+        if c:
+            out.extend(domains[name].train_examples(c, rng))
+    return out
+
+
+def _lr_lambda(warmup: int):
+    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+
+
+def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[str, float]:
+    acc = defaultdict(list)
+    for v, g in zip(values.tolist(), groups):
+        acc[g].append(v)
+    return {f"{prefix}/{g}": sum(v) / len(v) for g, v in acc.items()}
+
+
+def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
+                    domains: Mapping[str, object], eval_domains: Mapping[str, object], stage_dir: str | Path,
+                    fingerprint: str, teachers=None, on_step: Callable[[int, dict], None] | None = None,
+                    progress: bool = True) -> LoopResult:
+    """Run (or resume, or reuse) one on-policy stage. `domains` are the prompt sources of training,
+    `eval_domains` those reported at eval time; `teachers` a TeacherRouter (None for expert RL)."""
+    stage_dir = Path(stage_dir)
+    info = read_stage(stage_dir)
+    if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
+        return LoopResult(Path(info["final_dir"]), info.get("eval", {}), [], loop_cfg.steps, stage_dir)
+    if loop_cfg.w_kd > 0 and teachers is None:
+        raise ValueError(f"{stage}: w_kd={loop_cfg.w_kd} needs teachers; set w_kd=0 for pure RL")
+    if loop_cfg.w_kd == 0 and loop_cfg.w_rl == 0:
+        raise ValueError(f"{stage}: w_rl and w_kd are both 0 — nothing to learn from")
+
+    dinfo = devlib.resolve(recipe.runtime.device)
+    device = dinfo.torch_device
+    tokenizer = load_tokenizer(init_path)
+    if teachers is not None:  # pre-flight before any compute: tokenizers and routing
+        teachers.check(tokenizer_fingerprint(tokenizer), list(domains))
+    names = list(domains)
+    weights = _mix(loop_cfg, recipe, names)
+    claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
+
+    ckpts = checkpoint_dirs(stage_dir)
+    start = 0
+    model_src = init_path
+    if ckpts:
+        model_src = ckpts[-1] / "model"
+        start = load_loop_state(ckpts[-1])["step"]
+    model = load_model(model_src, device, recipe.runtime.dtype)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
+                            weight_decay=loop_cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(loop_cfg.warmup_steps))
+    if ckpts:
+        st = load_loop_state(ckpts[-1])
+        opt.load_state_dict(st["optimizer"])
+        if st.get("scheduler"):
+            sched.load_state_dict(st["scheduler"])
+    engine = HFRollout(model, tokenizer, device, recipe.data.max_prompt_tokens)
+    metrics_path = stage_dir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, start)
+    eval_cfg = recipe.eval
+    max_new = recipe.rollout.max_new_tokens
+    eval_new = eval_cfg.max_new_tokens or max_new
+    history: list[dict] = []
+    last_eval: dict = {}
+    G = loop_cfg.group_size
+    top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
+
+    bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
+    try:
+        for step in range(start, loop_cfg.steps):
+            t_step = time.perf_counter()
+            rng = random.Random(f"{recipe.seed}/{stage}/{step}")
+            prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
+            examples = [e for e in prompts for _ in range(G)]
+            gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
+
+            t0 = time.perf_counter()
+            batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
+                                    top_p=recipe.rollout.top_p, generator=gen, batch_size=recipe.rollout.batch_size)
+            t_roll = time.perf_counter() - t0
+            rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
+            mask = batch.completion_mask.float()
+
+            t0 = time.perf_counter()
+            routed = teachers.score(batch, top_k=top_k) if teachers is not None else None
+            t_score = time.perf_counter() - t0
+
+            adv = torch.zeros_like(mask)
+            m: dict[str, float] = {}
+            if loop_cfg.w_rl > 0:
+                a_rl = alg.grpo_advantages(rewards, G, scale_by_std=loop_cfg.scale_by_std)
+                adv = adv + loop_cfg.w_rl * a_rl[:, None] * mask
+                m["adv/rl_abs_mean"] = float(a_rl.abs().mean())
+            if routed is not None and loop_cfg.kd_loss == "sampled_rkl":
+                a_kd = alg.reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask, clip=loop_cfg.kd_clip)
+                adv = adv + loop_cfg.w_kd * a_kd
+                m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
+            group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
+            token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
+
+            t0 = time.perf_counter()
+            upd = _update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
+                          recipe.rollout.temperature, rng)
+            t_train = time.perf_counter() - t0
+            if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
+                last = checkpoint_dirs(stage_dir)
+                raise NonFiniteLossError(
+                    f"{stage}: non-finite loss/gradient at step {step + 1} (loss={upd['loss']}, grad_norm="
+                    f"{upd['grad_norm']}); stopped without saving — last good checkpoint: "
+                    f"{last[-1] if last else 'none'} (lower the lr or check the data)")
+
+            n_tok = int(mask.sum())
+            doms = [e.teacher_id for e in batch.examples]
+            m.update(_group_stats(rewards, doms, "reward"))
+            m["reward/mean"] = float(rewards.mean())
+            m.update(_group_stats(mask.sum(1), doms, "length"))
+            adv_tok = adv[mask.bool()]
+            m["adv/mean"] = float(adv_tok.mean()) if n_tok else 0.0
+            m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
+            if routed is not None:
+                m.update(_teacher_metrics(routed, batch, mask))
+                m["perf/score_s"] = t_score
+                m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
+                                                        else 1) / max(t_score, 1e-9)
+            m.update(upd)
+            dt = time.perf_counter() - t_step
+            seq_tok = n_tok + int(batch.prompt_mask.sum())
+            m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
+                      "perf/tokens_per_s": n_tok / dt, "perf/rollout_tokens_per_s": n_tok / max(t_roll, 1e-9),
+                      "perf/train_tokens_per_s": seq_tok * loop_cfg.minibatches / max(t_train, 1e-9),
+                      "lr": sched.get_last_lr()[0]})
+            m.update(devlib.memory_stats(dinfo.kind))
+
+            done = step + 1
+            if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
+                last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
+                                           recipe.seed, loop_cfg.eval_size)
+                for d, r in last_eval.items():
+                    for k, v in r.items():
+                        m[f"eval/{d}/{k}"] = v
+            row = {"step": done, **m}
+            history.append(row)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if on_step:
+                on_step(done, m)
+            bar.update(done, m)
+            if done % loop_cfg.save_every == 0 and done < loop_cfg.steps:
+                save_checkpoint(stage_dir, done, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
+    finally:
+        bar.close()
+
+    last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
+                               loop_cfg.eval_size)
+    final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
+    save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
+    info = read_stage(stage_dir) or {}
+    info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
+                 "teacher_stats": teachers.stats() if teachers is not None else {}})
+    write_stage(stage_dir, info)
+    return LoopResult(final_dir, last_eval, history, start, stage_dir)
+
+
+def _rewards(domains, batch: RolloutBatch) -> list[float]:
+    out = [0.0] * batch.size
+    by_dom = defaultdict(list)
+    for i, e in enumerate(batch.examples):
+        by_dom[e.teacher_id].append(i)
+    for d, rows in by_dom.items():
+        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows])
+        for i, r in zip(rows, rs):
+            out[i] = float(r)
+    return out
+
+
+def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[str, float]:
+    """teacher_token_frac/<t> = tokens t scored ÷ all scored tokens; reverse_kl/<t> = mean(ℓ^old − ℓ^t)."""
+    out = {}
+    ntok = {n: float(mask[rows].sum()) for n, (rows, _) in routed.per_teacher.items()}
+    total = sum(ntok.values()) or 1.0
+    for name, (rows, lp) in routed.per_teacher.items():
+        out[f"teacher_token_frac/{name}"] = ntok[name] / total
+        if ntok[name]:
+            mk = mask[rows]
+            out[f"reverse_kl/{name}"] = float(((batch.behaviour_logp[rows] - lp) * mk).sum() / ntok[name])
+    return out
+
+
+def _update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
+            temperature: float, rng: random.Random) -> dict[str, float]:
+    """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
+    micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch."""
+    B = batch.size
+    order = list(range(B))
+    if cfg.minibatches > 1:
+        rng.shuffle(order)
+    mbs = [order[i::cfg.minibatches] for i in range(cfg.minibatches)]
+    agg = defaultdict(float)
+    use_jsd = routed is not None and cfg.kd_loss == "jsd"
+    for mb in mbs:
+        opt.zero_grad(set_to_none=True)
+        n_mb = float(mask[mb].sum()) or 1.0
+        micro = cfg.micro_batch_size or len(mb)
+        for s in range(0, len(mb), micro):
+            rows = mb[s:s + micro]
+            sub = batch.select(rows)
+            logp, full = completion_logprobs(model, sub, temperature, full=True)
+            mk = mask[rows]
+            tw = token_w[rows] if token_w is not None else None
+            loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows], mk, cfg.clip_low, cfg.clip_high,
+                                        token_weights=tw)
+            share = float(mk.sum()) / n_mb
+            total = loss * share
+            if use_jsd:
+                s_sup, t_sup = alg.topk_support(full, routed.topk_ids[rows], routed.topk_logp[rows],
+                                                sub.completion_ids, routed.logp[rows])
+                jsd = alg.generalized_jsd(s_sup, t_sup, cfg.jsd_beta, mk)
+                total = total + cfg.w_kd * jsd * share
+                agg["jsd"] += float(jsd.detach()) * share / len(mbs)
+            total.backward()
+            with torch.no_grad():
+                ent = -(full.exp() * full).sum(-1)
+                agg["entropy"] += float((ent * mk).sum()) / n_mb / len(mbs)
+            for k in ("clip_frac", "approx_kl", "ratio_mean"):
+                agg[k] += met.get(k, 0.0) * share / len(mbs)
+            agg["loss"] += float(total.detach()) / len(mbs)
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        agg["grad_norm"] += float(gn) / len(mbs)
+        if not (math.isfinite(agg["loss"]) and math.isfinite(float(gn))):
+            opt.zero_grad(set_to_none=True)
+            return dict(agg)
+        opt.step()
+        sched.step()
+    return dict(agg)
+
+
+def _truncate_metrics(path: Path, upto_step: int) -> None:
+    """On resume, drop rows after the checkpoint so the JSONL holds each step exactly once."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= upto_step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> dict:
+    dinfo = devlib.resolve(recipe.runtime.device)
+    model = load_model(path, dinfo.torch_device, recipe.runtime.dtype).eval()
+    tok = load_tokenizer(path)
+    cfg = eval_cfg or recipe.eval
+    return evaluate_model(model, tok, domains, cfg, dinfo.torch_device,
+                          cfg.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)

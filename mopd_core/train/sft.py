@@ -1,0 +1,133 @@
+"""Mixed-domain SFT with TRL's `SFTTrainer` (prompt–completion data, loss on the completion only).
+
+TRL appends the EOS token to each completion, so the SFT model learns to stop — the RL loop and the verifiers
+rely on it. TRL's own checkpoints (`<stage>/trainer/checkpoint-N`) carry optimizer/scheduler/RNG state, so an
+interrupted SFT resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ..config import RecipeConfig
+from ..evaluation import evaluate_model
+from ..models import load_model, load_tokenizer, save_pretrained
+from ..runtime import device as devlib
+from .checkpoint import claim_stage, read_stage, write_stage
+from .loop import NonFiniteLossError, sample_prompts
+from .progress import StageProgress
+
+
+@dataclass
+class SFTResult:
+    final_dir: Path
+    eval: dict
+    history: list
+
+
+def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[dict]:
+    cfg = recipe.sft
+    names = list(domains)
+    table = cfg.mix or {d.name: d.weight for d in recipe.data.domains}
+    weights = [float(table.get(n, 0.0)) for n in names]
+    n = cfg.num_examples or max(1, cfg.steps * cfg.batch_size)
+    rng = random.Random(f"{recipe.seed}/sft")
+    rows = []
+    for e in sample_prompts(domains, weights, n, rng):
+        if e.answer is None:
+            raise ValueError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
+                             "has none — add an `answer` column or drop the domain from sft.mix")
+        rows.append({"prompt": e.prompt, "completion": e.answer})
+    rng.shuffle(rows)
+    return rows
+
+
+def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str, object], stage_dir: str | Path,
+            fingerprint: str, progress: bool = True) -> SFTResult:
+    stage_dir = Path(stage_dir)
+    info = read_stage(stage_dir)
+    if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
+        return SFTResult(Path(info["final_dir"]), info.get("eval", {}), [])
+    cfg = recipe.sft
+    rows = sft_examples(recipe, domains)  # validates data before any compute
+    dinfo = devlib.resolve(recipe.runtime.device)
+    claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
+    tokenizer = load_tokenizer(base_path)
+    model = load_model(base_path, dinfo.torch_device, recipe.runtime.dtype)
+    history: list[dict] = []
+    if cfg.steps > 0:
+        history = _train(recipe, model, tokenizer, rows, stage_dir, dinfo, progress)
+    final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
+    ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
+                        recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)
+    info = read_stage(stage_dir) or {}
+    info.update({"status": "done", "final_dir": str(final_dir), "eval": ev, "steps": cfg.steps,
+                 "num_examples": len(rows)})
+    write_stage(stage_dir, info)
+    return SFTResult(final_dir, ev, history)
+
+
+def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool) -> list[dict]:
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = recipe.sft
+    metrics_path = stage_dir / "metrics.jsonl"
+    history: list[dict] = []
+    bar = StageProgress("sft", cfg.steps, enabled=progress)
+
+    class _Track(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "loss" not in logs:
+                return
+            loss = float(logs["loss"])
+            row = {"step": state.global_step, "loss": loss, "lr": float(logs.get("learning_rate", 0.0)),
+                   "grad_norm": float(logs.get("grad_norm", 0.0) or 0.0),
+                   **devlib.memory_stats(dinfo.kind)}
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"sft: non-finite loss at step {state.global_step}; stopped — last good checkpoint: "
+                    f"{_last_trainer_ckpt(stage_dir) or 'none'} (lower sft.lr or check the data)")
+            history.append(row)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.update(state.global_step, row)
+
+    max_len = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens + 1
+    args = SFTConfig(
+        output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
+        learning_rate=cfg.lr, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=int(cfg.warmup_ratio * cfg.steps),
+        weight_decay=cfg.weight_decay, logging_steps=cfg.logging_steps, save_steps=max(cfg.steps // 4, 50),
+        save_total_limit=2, report_to=[], seed=recipe.seed, data_seed=recipe.seed,
+        use_cpu=dinfo.kind == "cpu", dataloader_num_workers=0, max_length=max_len,
+        completion_only_loss=True, disable_tqdm=True, bf16=recipe.runtime.dtype == "bfloat16",
+        fp16=recipe.runtime.dtype == "float16", dataset_num_proc=None, save_only_model=False)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer, callbacks=[_Track()])
+    trainer.remove_callback(PrinterCallback)  # our callback logs; the printer would dump raw dicts
+    resume = _last_trainer_ckpt(stage_dir)
+    if resume:
+        _truncate(metrics_path, int(Path(resume).name.split("-")[1]))
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        bar.close()
+    return history
+
+
+def _last_trainer_ckpt(stage_dir: Path) -> str | None:
+    root = stage_dir / "trainer"
+    cks = sorted(root.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])) if root.exists() else []
+    return str(cks[-1]) if cks else None
+
+
+def _truncate(path: Path, upto: int) -> None:
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= upto]
+        path.write_text("".join(x + "\n" for x in keep))

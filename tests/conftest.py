@@ -1,0 +1,36 @@
+"""Shared fixtures. Tests run offline, single-threaded (the CI box has 2 cores and OpenMP spin-waits under
+contention), and write only under pytest's tmp dirs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def tiny_overrides(tmp_path) -> list[str]:
+    """A recipe small enough for seconds-long integration tests (a 2-layer, 64-wide model)."""
+    return [
+        f"output_dir={tmp_path}", "name=t", "runtime.device=cpu", "runtime.num_threads=1",
+        "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=128",
+        "sft.steps=6", "sft.batch_size=16", "sft.logging_steps=2",
+        "expert.steps=3", "expert.prompts_per_step=4", "expert.group_size=4", "expert.save_every=2",
+        "mopd.steps=3", "mopd.prompts_per_step=6", "mopd.group_size=2", "mopd.save_every=2",
+        "rollout.max_new_tokens=6", "data.domains.math.eval_size=8", "data.domains.code.eval_size=8",
+        "data.domains.if.eval_size=8",
+    ]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    from mopd_core.config import load_config
+
+    return load_config("tiny", tiny_overrides(tmp_path))

@@ -1,0 +1,212 @@
+"""Stages on the tiny model for a few steps: parameters change, losses stay finite, checkpoints reload to
+identical logits, a resumed run's next step equals an uninterrupted run's, bad input fails before compute."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mopd_core import recipe as R
+from mopd_core.models import load_model, load_tokenizer
+from mopd_core.train.checkpoint import checkpoint_dirs
+
+
+def _params(path):
+    return {k: v.clone() for k, v in load_model(path).state_dict().items()}
+
+
+def _changed(a, b) -> int:
+    return sum(not torch.equal(a[k], b[k]) for k in a)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """One tiny SFT shared by the tests of this module (each then trains its own RL stage from it)."""
+    from mopd_core.config import load_config
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config("tiny", tiny_overrides(tmp_path_factory.mktemp("sft")))
+    R.setup_runtime(cfg)
+    torch.set_num_threads(1)
+    base = R.base_model(cfg)
+    out = R.sft_stage(cfg, base, progress=False)
+    return cfg, base, out
+
+
+def test_sft_changes_parameters_and_logs_finite_loss(sft_run):
+    cfg, base, out = sft_run
+    assert _changed(_params(base), _params(out.model_dir)) == len(_params(base))
+    rows = _rows(out.stage_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert set(out.eval) == {"math", "code", "if"}
+    info = json.loads((out.stage_dir / "stage.json").read_text())
+    assert info["status"] == "done"
+
+
+def test_checkpoint_reloads_to_identical_logits(sft_run):
+    _, _, out = sft_run
+    m1, m2 = load_model(out.model_dir).eval(), load_model(out.model_dir).eval()
+    tok = load_tokenizer(out.model_dir)
+    ids = torch.tensor([tok("12+34=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(m1(input_ids=ids).logits, m2(input_ids=ids).logits)
+
+
+def test_expert_rl_updates_and_logs_design_metrics(sft_run):
+    cfg, _, sft = sft_run
+    out = R.expert_stage(cfg, "math", sft.model_dir, progress=False)
+    assert _changed(_params(sft.model_dir), _params(out.model_dir)) > 0
+    rows = _rows(out.stage_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("reward/math", "length/math", "loss", "grad_norm", "entropy", "clip_frac",
+                    "perf/tokens_per_s", "perf/rollout_s", "perf/train_s", "mem/host_rss_mb"):
+            assert key in r, key
+        assert 0.0 <= r["reward/math"] <= 1.0
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        assert not any(k.startswith("reward/code") for k in r)  # the expert only sees its own domain
+    # the last checkpoint holds the final weights and the optimizer state
+    ck = checkpoint_dirs(out.stage_dir)[-1]
+    assert ck.name == "step-000003"
+    st = torch.load(ck / "loop_state.pt", weights_only=False)
+    assert st["step"] == 3 and st["optimizer"]["state"]
+
+
+def _expert_paths(cfg, sft_dir, tmp_path) -> dict[str, Path]:
+    """Cheap stand-in teachers: SFT weights plus a different small perturbation per domain."""
+    out = {}
+    for i, d in enumerate(cfg.domain_names()):
+        m = load_model(sft_dir)
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        dst = tmp_path / f"teacher-{d}"
+        m.save_pretrained(dst)
+        load_tokenizer(sft_dir).save_pretrained(dst)
+        out[d] = dst
+    return out
+
+
+def test_mopd_routes_each_sample_to_its_teacher(sft_run, tmp_path):
+    cfg, _, sft = sft_run
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)})
+    teachers = _expert_paths(cfg, sft.model_dir, tmp_path)
+    out = R.mopd_stage(cfg, sft.model_dir, teachers, progress=False)
+    assert _changed(_params(sft.model_dir), _params(out.model_dir)) > 0
+    rows = _rows(out.stage_dir / "metrics.jsonl")
+    assert len(rows) == 3
+    for r in rows:
+        fr = {k: v for k, v in r.items() if k.startswith("teacher_token_frac/")}
+        assert fr and abs(sum(fr.values()) - 1.0) < 1e-6
+        assert any(k.startswith("reverse_kl/") for k in r)
+        assert "adv/kd_mean" in r and "perf/score_s" in r
+
+
+def test_mopd_mixture_and_jsd_modes_run(sft_run, tmp_path):
+    cfg, _, sft = sft_run
+    teachers = _expert_paths(cfg, sft.model_dir, tmp_path)
+    c1 = cfg.model_copy(update={"output_dir": str(tmp_path / "mix")}, deep=True)
+    c1.teachers.routing, c1.teachers.mixture_kind = "mixture", "geometric"
+    c1.mopd.steps = 2
+    out = R.mopd_stage(c1, sft.model_dir, teachers, progress=False)
+    r = _rows(out.stage_dir / "metrics.jsonl")[-1]
+    assert abs(r["teacher_token_frac/math"] - 1 / 3) < 1e-6  # every teacher scores every token
+    c2 = cfg.model_copy(update={"output_dir": str(tmp_path / "jsd")}, deep=True)
+    c2.mopd.kd_loss, c2.mopd.jsd_beta, c2.mopd.steps, c2.mopd.balance = "jsd", 0.5, 2, "tokens"
+    out = R.mopd_stage(c2, sft.model_dir, teachers, progress=False)
+    r = _rows(out.stage_dir / "metrics.jsonl")[-1]
+    assert r["jsd"] > 0 and torch.isfinite(torch.tensor(r["loss"]))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_resumed_run_next_step_equals_uninterrupted(sft_run, tmp_path):
+    cfg, _, sft = sft_run
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "a")}, deep=True)
+    cfg.expert.steps, cfg.expert.save_every = 4, 2
+    full = R.expert_stage(cfg, "code", sft.model_dir, progress=False)
+    full_rows = _rows(full.stage_dir / "metrics.jsonl")
+
+    cfg_b = cfg.model_copy(update={"output_dir": str(tmp_path / "b")}, deep=True)
+    from mopd_core.train import loop as L
+
+    orig = L.run_policy_loop
+
+    def interrupted(**kw):
+        def on_step(step, m):
+            if step == 3:  # after the step-2 checkpoint, before step 4
+                raise _Stop
+        return orig(**kw, on_step=on_step)
+
+    L_run = R.__dict__.get("run_policy_loop")
+    assert L_run is None  # recipe imports the loop lazily, so patching the module attribute is enough
+    L.run_policy_loop = interrupted
+    try:
+        with pytest.raises(_Stop):
+            R.expert_stage(cfg_b, "code", sft.model_dir, progress=False)
+    finally:
+        L.run_policy_loop = orig
+    stage_b = Path(cfg_b.output_dir) / cfg_b.name / "expert-code"
+    assert [c.name for c in checkpoint_dirs(stage_b)] == ["step-000002"]
+    resumed = R.expert_stage(cfg_b, "code", sft.model_dir, progress=False)
+    rows_b = _rows(stage_b / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]  # the interrupted step 3 is not duplicated
+    for key in ("loss", "reward/code", "grad_norm", "length/code"):
+        assert rows_b[2][key] == pytest.approx(full_rows[2][key], rel=1e-5, abs=1e-7), key
+        assert rows_b[3][key] == pytest.approx(full_rows[3][key], rel=1e-5, abs=1e-7), key
+    a, b = _params(full.model_dir), _params(resumed.model_dir)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_finished_stage_is_reused_and_other_config_refused(sft_run, tmp_path):
+    cfg, _, sft = sft_run
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)}, deep=True)
+    cfg.expert.steps = 1
+    first = R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+    mtime = (first.model_dir / "model.safetensors").stat().st_mtime_ns
+    again = R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+    assert (again.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    cfg.expert.lr = 1e-3
+    from mopd_core.train.checkpoint import StageStateError
+
+    with pytest.raises(StageStateError, match="another config"):
+        R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+    assert (first.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(sft_run, tmp_path, monkeypatch):
+    cfg, _, sft = sft_run
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)}, deep=True)
+    cfg.expert.steps, cfg.expert.save_every = 4, 2
+    from mopd_core import algorithms as alg
+    from mopd_core.train import loop as L
+
+    real = alg.policy_loss
+    calls = {"n": 0}
+
+    def poisoned(*a, **kw):
+        calls["n"] += 1
+        loss, met = real(*a, **kw)
+        return (loss * float("nan"), met) if calls["n"] == 3 else (loss, met)
+
+    monkeypatch.setattr(L.alg, "policy_loss", poisoned)
+    with pytest.raises(L.NonFiniteLossError, match=r"step 3\b.*step-000002"):
+        R.expert_stage(cfg, "math", sft.model_dir, progress=False)
+    stage = Path(cfg.output_dir) / cfg.name / "expert-math"
+    cks = checkpoint_dirs(stage)
+    assert [c.name for c in cks] == ["step-000002"]
+    m = load_model(cks[0] / "model")
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert not (stage / "final").exists()

@@ -1,0 +1,86 @@
+"""Config: every preset validates, overrides apply, unknown keys and bad values fail naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mopd_core.config import (CONFIG_DIR, ConfigError, RecipeConfig, apply_overrides, flatten, load_config,
+                              stage_fingerprint)
+
+PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_the_three_presets_exist():
+    assert {"tiny", "open_mopd_smollm3", "ascend_colocate"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RecipeConfig) and cfg.domain_names()
+
+
+def test_open_mopd_preset_is_the_published_recipe():
+    cfg = load_config("open_mopd_smollm3")
+    assert cfg.model.base == "HuggingFaceTB/SmolLM3-3B"
+    assert cfg.domain_names() == ["math", "code", "if"]
+    assert [d.weight for d in cfg.data.domains] == [0.4, 0.4, 0.2]
+    assert cfg.mopd.kd_loss == "sampled_rkl" and cfg.mopd.w_kd == 1.0
+    assert cfg.rollout.max_new_tokens == 16384
+
+
+def test_every_field_has_a_description():
+    def walk(model, path):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{path}{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{path}{name}.")
+    walk(RecipeConfig, "")
+
+
+def test_dotted_overrides_apply_with_yaml_types():
+    cfg = load_config("tiny", ["mopd.steps=50", "teachers.routing=mixture", "mopd.kd_clip=null",
+                               "data.domains.code.weight=0.7", "sft.mix={math: 1.0}"])
+    assert cfg.mopd.steps == 50 and cfg.teachers.routing == "mixture" and cfg.mopd.kd_clip is None
+    assert cfg.data.domains[1].weight == 0.7 and cfg.sft.mix == {"math": 1.0}
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["mopd.stepz=5"], "unknown config key 'mopd.stepz'"),
+    (["nonsense=1"], "unknown config key 'nonsense'"),
+    (["mopd.steps=-1"], "mopd.steps"),
+    (["teachers.routing=random"], "teachers.routing"),
+    (["model.tiny.num_heads=12"], "head_dim=16"),
+    (["mopd.mix={chemistry: 1}"], "unknown domain 'chemistry'"),
+    (["data.domains.bio.weight=1"], "no list item 'bio'"),
+    (["mopd.steps"], "key.path=value"),
+])
+def test_bad_config_is_one_line_naming_the_field(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", override)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text(Path(CONFIG_DIR / "tiny.yaml").read_text() + "\nmopdd: {steps: 3}\n")
+    with pytest.raises(ConfigError, match="unknown config key 'mopdd'"):
+        load_config(str(p))
+
+
+def test_missing_preset_lists_known_ones():
+    with pytest.raises(ConfigError, match="tiny"):
+        load_config("no-such-preset")
+
+
+def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
+    data = {"a": {"b": 1}}
+    out = apply_overrides(data, ["a.b=2", "a.c.d=x"])
+    assert data == {"a": {"b": 1}} and out == {"a": {"b": 2, "c": {"d": "x"}}}
+    a, b = load_config("tiny"), load_config("tiny", ["mopd.lr=1e-3"])
+    assert stage_fingerprint(a.mopd) != stage_fingerprint(b.mopd)
+    assert stage_fingerprint(a.sft) == stage_fingerprint(b.sft)
+    assert flatten({"x": {"y": 1, "z": {"w": 2}}}) == {"x.y": 1, "x.z.w": 2}
