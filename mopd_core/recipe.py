@@ -53,6 +53,14 @@ def setup_runtime(recipe: RecipeConfig) -> None:
 
 
 def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
+    """Every domain of the recipe (or `names`). Dataset sources are checked whole first: a row whose
+    teacher_id is no domain of the recipe is an error naming it — never silently dropped."""
+    from .domains import check_teacher_ids, load_examples_cached
+
+    known = recipe.domain_names()
+    for src in sorted({d.source for d in recipe.data.domains if not d.source.startswith("synthetic:")}):
+        split = next((d.params.get("split") for d in recipe.data.domains if d.source == src), None)
+        check_teacher_ids(load_examples_cached(src, split=split), known, source=src)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
                                  verifier=d.verifier) for d in specs}

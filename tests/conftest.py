@@ -34,3 +34,25 @@ def tiny_cfg(tmp_path):
     from mopd_core.config import load_config
 
     return load_config("tiny", tiny_overrides(tmp_path))
+
+
+from mopd_core.domains import MathDomain, register_domain  # noqa: E402
+
+
+@register_domain("short")
+class ShortDomain(MathDomain):
+    """Test-only domain: math prompts, reward 1 when the completion has at most 2 characters — a signal an
+    almost untrained model already gets sometimes, so a few RL steps on it really move the weights."""
+
+    kind = "short"
+
+    def reward(self, example, completion: str) -> float:
+        return float(len(completion.strip()) <= 2)
+
+
+def with_short_domain(cfg):
+    from mopd_core.config import config_from_dict
+
+    d = cfg.model_dump()
+    d["data"]["domains"].append({"name": "short", "source": "synthetic:short", "weight": 1.0, "eval_size": 8})
+    return config_from_dict(d)

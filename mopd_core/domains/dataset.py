@@ -164,7 +164,8 @@ def _to_examples(rows: Sequence[Mapping[str, Any]], p: Path, columns: list[str] 
         if answer is not None and not isinstance(answer, str):
             raise DomainError(f"{p} row {i}: answer must be a string or null (got {type(answer).__name__} "
                               f"{answer!r}); quote it, e.g. \"{answer}\"")
-        fields = {k: v for k, v in row.items() if k not in ("prompt", "teacher_id", "answer")}
+        fields = {k: v for k, v in row.items()
+                  if k not in ("prompt", "teacher_id", "answer") and not k.startswith("__index_level_")}
         out.append(Example(prompt=prompt, teacher_id=tid, answer=answer, fields=fields))
     return out
 
@@ -211,6 +212,7 @@ class DatasetDomain(Domain):
                 self.verifier.validate(e)
             except DomainError as err:
                 raise DomainError(f"{self.source} row {i} (domain '{name}'): {err}") from None
+        self.verifier.check_ready()
         by_prompt: dict[str, list[Example]] = {}
         for _, e in rows:
             by_prompt.setdefault(e.prompt, []).append(e)

@@ -31,9 +31,9 @@ def _rows(path: Path) -> list[dict]:
 def sft_run(tmp_path_factory):
     """One tiny SFT shared by the tests of this module (each then trains its own RL stage from it)."""
     from mopd_core.config import load_config
-    from tests.conftest import tiny_overrides
+    from tests.conftest import tiny_overrides, with_short_domain
 
-    cfg = load_config("tiny", tiny_overrides(tmp_path_factory.mktemp("sft")))
+    cfg = with_short_domain(load_config("tiny", tiny_overrides(tmp_path_factory.mktemp("sft"))))
     R.setup_runtime(cfg)
     torch.set_num_threads(1)
     base = R.base_model(cfg)
@@ -47,7 +47,7 @@ def test_sft_changes_parameters_and_logs_finite_loss(sft_run):
     rows = _rows(out.stage_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2, 4, 6]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    assert set(out.eval) == {"math", "code", "if"}
+    assert set(out.eval) == {"math", "code", "if", "short"}
     info = json.loads((out.stage_dir / "stage.json").read_text())
     assert info["status"] == "done"
 
@@ -63,17 +63,17 @@ def test_checkpoint_reloads_to_identical_logits(sft_run):
 
 def test_expert_rl_updates_and_logs_design_metrics(sft_run):
     cfg, _, sft = sft_run
-    out = R.expert_stage(cfg, "math", sft.model_dir, progress=False)
+    out = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     assert _changed(_params(sft.model_dir), _params(out.model_dir)) > 0
     rows = _rows(out.stage_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        for key in ("reward/math", "length/math", "loss", "grad_norm", "entropy", "clip_frac",
+        for key in ("reward/short", "length/short", "loss", "grad_norm", "entropy", "clip_frac",
                     "perf/tokens_per_s", "perf/rollout_s", "perf/train_s", "mem/host_rss_mb"):
             assert key in r, key
-        assert 0.0 <= r["reward/math"] <= 1.0
+        assert 0.0 <= r["reward/short"] <= 1.0
         assert torch.isfinite(torch.tensor(r["loss"]))
-        assert not any(k.startswith("reward/code") for k in r)  # the expert only sees its own domain
+        assert not any(k.startswith("reward/math") for k in r)  # the expert only sees its own domain
     # the last checkpoint holds the final weights and the optimizer state
     ck = checkpoint_dirs(out.stage_dir)[-1]
     assert ck.name == "step-000003"
@@ -120,7 +120,7 @@ def test_mopd_mixture_and_jsd_modes_run(sft_run, tmp_path):
     c1.mopd.steps = 2
     out = R.mopd_stage(c1, sft.model_dir, teachers, progress=False)
     r = _rows(out.stage_dir / "metrics.jsonl")[-1]
-    assert abs(r["teacher_token_frac/math"] - 1 / 3) < 1e-6  # every teacher scores every token
+    assert abs(r["teacher_token_frac/math"] - 1 / 4) < 1e-6  # every teacher scores every token
     c2 = cfg.model_copy(update={"output_dir": str(tmp_path / "jsd")}, deep=True)
     c2.mopd.kd_loss, c2.mopd.jsd_beta, c2.mopd.steps, c2.mopd.balance = "jsd", 0.5, 2, "tokens"
     out = R.mopd_stage(c2, sft.model_dir, teachers, progress=False)
@@ -136,7 +136,7 @@ def test_resumed_run_next_step_equals_uninterrupted(sft_run, tmp_path):
     cfg, _, sft = sft_run
     cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "a")}, deep=True)
     cfg.expert.steps, cfg.expert.save_every = 4, 2
-    full = R.expert_stage(cfg, "code", sft.model_dir, progress=False)
+    full = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     full_rows = _rows(full.stage_dir / "metrics.jsonl")
 
     cfg_b = cfg.model_copy(update={"output_dir": str(tmp_path / "b")}, deep=True)
@@ -155,15 +155,16 @@ def test_resumed_run_next_step_equals_uninterrupted(sft_run, tmp_path):
     L.run_policy_loop = interrupted
     try:
         with pytest.raises(_Stop):
-            R.expert_stage(cfg_b, "code", sft.model_dir, progress=False)
+            R.expert_stage(cfg_b, "short", sft.model_dir, progress=False)
     finally:
         L.run_policy_loop = orig
-    stage_b = Path(cfg_b.output_dir) / cfg_b.name / "expert-code"
+    stage_b = Path(cfg_b.output_dir) / cfg_b.name / "expert-short"
     assert [c.name for c in checkpoint_dirs(stage_b)] == ["step-000002"]
-    resumed = R.expert_stage(cfg_b, "code", sft.model_dir, progress=False)
+    resumed = R.expert_stage(cfg_b, "short", sft.model_dir, progress=False)
     rows_b = _rows(stage_b / "metrics.jsonl")
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]  # the interrupted step 3 is not duplicated
-    for key in ("loss", "reward/code", "grad_norm", "length/code"):
+    assert full_rows[2]["grad_norm"] > 0  # the steps compared really trained
+    for key in ("loss", "reward/short", "grad_norm", "length/short"):
         assert rows_b[2][key] == pytest.approx(full_rows[2][key], rel=1e-5, abs=1e-7), key
         assert rows_b[3][key] == pytest.approx(full_rows[3][key], rel=1e-5, abs=1e-7), key
     a, b = _params(full.model_dir), _params(resumed.model_dir)
@@ -174,15 +175,15 @@ def test_finished_stage_is_reused_and_other_config_refused(sft_run, tmp_path):
     cfg, _, sft = sft_run
     cfg = cfg.model_copy(update={"output_dir": str(tmp_path)}, deep=True)
     cfg.expert.steps = 1
-    first = R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+    first = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     mtime = (first.model_dir / "model.safetensors").stat().st_mtime_ns
-    again = R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+    again = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     assert (again.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
     cfg.expert.lr = 1e-3
     from mopd_core.train.checkpoint import StageStateError
 
     with pytest.raises(StageStateError, match="another config"):
-        R.expert_stage(cfg, "if", sft.model_dir, progress=False)
+        R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     assert (first.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -203,8 +204,8 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(sft_run, tmp_path,
 
     monkeypatch.setattr(L.alg, "policy_loss", poisoned)
     with pytest.raises(L.NonFiniteLossError, match=r"step 3\b.*step-000002"):
-        R.expert_stage(cfg, "math", sft.model_dir, progress=False)
-    stage = Path(cfg.output_dir) / cfg.name / "expert-math"
+        R.expert_stage(cfg, "short", sft.model_dir, progress=False)
+    stage = Path(cfg.output_dir) / cfg.name / "expert-short"
     cks = checkpoint_dirs(stage)
     assert [c.name for c in cks] == ["step-000002"]
     m = load_model(cks[0] / "model")
