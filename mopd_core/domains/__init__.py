@@ -18,5 +18,6 @@ __all__ = [
     "CodeDomain", "DatasetDomain", "Domain", "DomainError", "Example", "FrozenFields", "InstructionDomain",
     "MathDomain", "SandboxError", "SandboxResult", "SyntheticDomain", "Verifier", "available_domains",
     "available_verifiers", "build_domain", "check_teacher_ids", "exact_match", "extract_code", "get_verifier",
-    "load_examples", "register_domain", "register_verifier", "run_python_tests", "run_sandboxed", "sandbox_layers",
+    "load_examples", "load_examples_cached", "register_domain", "register_verifier", "run_python_tests",
+    "run_sandboxed", "sandbox_layers",
 ]

@@ -244,7 +244,8 @@ def test_memory_bomb_fails_inside_the_limit(audit):
 
 
 def test_output_is_truncated_at_the_cap():
-    r = run_sandboxed("import sys\nwhile True:\n    sys.stdout.write('y' * 4096)\n", max_output_bytes=1000, timeout_s=3.0)
+    r = run_sandboxed("import sys\nwhile True:\n    sys.stdout.write('y' * 4096)\n", max_output_bytes=1000,
+                      timeout_s=3.0)
     assert len(r.stdout) == 1000 and r.truncated and r.killed_reason in ("output_limit", "timeout")
     assert not r.ok
 
@@ -289,10 +290,12 @@ FORGE = "\nfor i in range(4):\n    ctl('test %d 1' % i)\nimport os\nos._exit(0)\
 @pytest.mark.parametrize("cheat", [
     "import sys\nsys.exit(0)",
     "import os\nos._exit(0)",
-    "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b''.join(b'x test %d 1\\n' % i for i in range(4)))\n"
+    "import os\nfor fd in range(3, 64):\n    try:\n"
+    "        os.write(fd, b''.join(b'x test %d 1\\n' % i for i in range(4)))\n"
     "    except OSError:\n        pass\nos._exit(0)",
     "import sys\nctl = sys._getframe(1).f_locals['ctl']" + FORGE,
-    "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    ctl = e.__traceback__.tb_frame.f_back.f_locals['ctl']" + FORGE,
+    "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n"
+    "    ctl = e.__traceback__.tb_frame.f_back.f_locals['ctl']" + FORGE,
     "import gc\nctl = [o for o in gc.get_objects() if getattr(o, '__name__', '') == 'ctl'][0]" + FORGE,
     "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None",
 ], ids=["sys.exit", "os._exit", "forged-lines", "getframe", "tb_frame", "gc", "patch-builtins"])
