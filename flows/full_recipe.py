@@ -1,0 +1,97 @@
+"""The whole recipe as one flow: sft → experts (one per domain, concurrently) → serve_teachers → mopd →
+evaluate → report (→ champion comparison in the nightly reproduction)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.params import (ChampionParams, EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams,
+                          SFTParams, TeachersParams, section_dict)
+from tasks.runs import (close_recipe_run, compare_to_champion, find_champion, open_recipe_run, report_task,
+                        validate_parameters)
+from tasks.stages import as_ref, evaluate_task, expert_task, mopd_task, serve_teachers_task, sft_task
+
+
+def _present(task_obj, result: dict, *args) -> dict:
+    """A cached result whose model folder was deleted since: run the stage again."""
+    if Path(result["path"]).exists():
+        return result
+    return task_obj.with_options(refresh_cache=True)(*args)
+
+
+@flow(name="full-recipe", task_runner=ThreadPoolTaskRunner(max_workers=4),
+      description="sft → experts → serve_teachers → mopd → evaluate → report; cached and resumable.")
+def full_recipe(
+    config: str = "tiny",
+    overrides: list[str] | None = None,
+    name: str | None = None,
+    seed: int | None = None,
+    output_dir: str | None = None,
+    runtime: RuntimeParams | None = None,
+    sft: SFTParams | None = None,
+    rollout: RolloutParams | None = None,
+    expert: ExpertParams | None = None,
+    teachers: TeachersParams | None = None,
+    mopd: MOPDParams | None = None,
+    eval: EvalParams | None = None,  # noqa: A002 - the config section's name
+    refresh: list[str] | None = None,
+    champion: ChampionParams | None = None,
+    concurrent_experts: bool = True,
+) -> dict:
+    """Run the recipe. `config`: preset name (configs/) or YAML path; `overrides`: dotted key=value;
+    section parameters override single fields; `refresh`: stages to retrain (`sft`, `expert-<d>`, `student`,
+    `evaluate`, `all`); `champion`: compare with `<name>-student@champion` (nightly)."""
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, expert=expert,
+                                                   teachers=teachers, mopd=mopd, eval=eval).items()}
+    cfg, _, _ = validate_parameters("full-recipe", config, overrides, sections,
+                                    {"name": name, "seed": seed, "output_dir": output_dir}, refresh=refresh)
+    champion = champion or ChampionParams()
+    fresh = set(refresh or [])
+
+    def opts(task_obj, stage: str, run_name: str):
+        return task_obj.with_options(task_run_name=run_name, refresh_cache=("all" in fresh or stage in fresh))
+
+    def is_fresh(stage: str) -> bool:
+        return "all" in fresh or stage in fresh
+
+    parent = open_recipe_run(cfg, "full-recipe", {"refresh": ",".join(sorted(fresh)) or "-"})
+    try:
+        args = ("sft", cfg, {}, parent, is_fresh("sft"))
+        s = _present(sft_task, opts(sft_task, "sft", "sft")(*args), *args)
+        stages = {"sft": s}
+        domains = cfg.expert.domains or cfg.domain_names()
+        eargs = {d: (f"expert:{d}", cfg, {"init": as_ref(s)}, parent, is_fresh(f"expert-{d}")) for d in domains}
+        if concurrent_experts:
+            futs = {d: opts(expert_task, f"expert-{d}", f"expert-{d}").submit(*eargs[d]) for d in domains}
+            experts = {d: f.result() for d, f in futs.items()}
+        else:
+            experts = {d: opts(expert_task, f"expert-{d}", f"expert-{d}")(*eargs[d]) for d in domains}
+        experts = {d: _present(expert_task, r, *eargs[d]) for d, r in experts.items()}
+        stages.update({f"expert-{d}": r for d, r in experts.items()})
+        served = serve_teachers_task(cfg, {d: as_ref(r) for d, r in experts.items()}, as_ref(s), parent)
+        margs = ("mopd", cfg, {"init": as_ref(s), **{f"teacher.{d}": r for d, r in served.items()}}, parent,
+                 is_fresh("student"))
+        student = _present(mopd_task, opts(mopd_task, "student", "mopd")(*margs), *margs)
+        stages["student"] = student
+        champ = find_champion(cfg, champion.alias) if champion.compare else None
+        models = {"base": None, "sft": as_ref(s), **{f"expert-{d}": as_ref(r) for d, r in experts.items()},
+                  "student": as_ref(student), **({"champion": champ} if champ else {})}
+        models = {k: v for k, v in models.items() if v is not None}
+        if cfg.model.base == "tiny":
+            models = {"base": {"ref": str((cfg.run_dir() / "base").resolve()),
+                               "path": str((cfg.run_dir() / "base").resolve())}, **models}
+        ev = opts(evaluate_task, "evaluate", "evaluate")("evaluate", cfg, models, parent, is_fresh("evaluate"))
+        report = report_task(cfg, parent, ev, stages)
+        result = {"parent_run_id": parent, "stages": stages, "accuracy": ev["accuracy"], "table": ev["table"],
+                  "report": report}
+        if champion.compare:
+            result["champion"] = compare_to_champion(cfg, parent, ev, student["ref"], champ and champ["ref"],
+                                                     champion.tolerance, champion.promote, champion.alias)
+    except BaseException:
+        close_recipe_run(parent, "FAILED")
+        raise
+    close_recipe_run(parent, "FINISHED")
+    return result

@@ -1,0 +1,116 @@
+"""One flow per stage, each startable alone (UI, CLI, deployment) from model references: an MLflow registered
+model (`models:/name/version`, `models:/name@alias`) or a checkpoint dir. A stage started alone writes under
+`<output_dir>/<name>/stages/<key>/` and registers its model like the full recipe does (`<name>-<stage>`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.params import (EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams, SFTParams,
+                          TeachersParams, section_dict)
+from tasks.common import ParameterError, adhoc_config
+from tasks.runs import close_recipe_run, open_recipe_run, validate_parameters
+from tasks.stages import evaluate_task, expert_task, mopd_task, serve_teachers_task, sft_task
+
+
+def _top(name, seed, output_dir) -> dict:
+    return {"name": name, "seed": seed, "output_dir": output_dir}
+
+
+def _in_parent(cfg, flow_name: str, body, params: dict):
+    parent = open_recipe_run(cfg, flow_name, params)
+    try:
+        out = body(parent)
+    except BaseException:
+        close_recipe_run(parent, "FAILED")
+        raise
+    close_recipe_run(parent, "FINISHED")
+    return out
+
+
+@flow(name="sft", description="Mixed-domain SFT of a base model.")
+def sft_flow(config: str = "tiny", overrides: list[str] | None = None, name: str | None = None,
+             seed: int | None = None, output_dir: str | None = None, base: str | None = None,
+             runtime: RuntimeParams | None = None, sft: SFTParams | None = None,
+             rollout: RolloutParams | None = None, eval: EvalParams | None = None,  # noqa: A002
+             refresh: bool = False) -> dict:
+    """`base`: a model reference; empty = the config's `model.base` (`tiny` is built locally)."""
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, eval=eval).items()}
+    cfg, refs, _ = validate_parameters("sft", config, overrides, sections, _top(name, seed, output_dir),
+                                       refs={"base": base} if base else None)
+    cfg = adhoc_config(cfg, "sft", refs)
+    return _in_parent(cfg, "sft", lambda parent: sft_task.with_options(refresh_cache=refresh)(
+        "sft", cfg, refs, parent, refresh), {"input.base": base or cfg.model.base})
+
+
+@flow(name="expert-rl", description="GRPO expert for one domain from an SFT model.")
+def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list[str] | None = None,
+                   name: str | None = None, seed: int | None = None, output_dir: str | None = None,
+                   runtime: RuntimeParams | None = None, expert: ExpertParams | None = None,
+                   rollout: RolloutParams | None = None, eval: EvalParams | None = None,  # noqa: A002
+                   refresh: bool = False) -> dict:
+    """`domain`: one of the recipe's domains; `init`: the SFT model reference."""
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, expert=expert, rollout=rollout,
+                                                   eval=eval).items()}
+    cfg, refs, _ = validate_parameters("expert-rl", config, overrides, sections, _top(name, seed, output_dir),
+                                       refs={"init": init})
+    if domain not in cfg.domain_names():
+        raise ParameterError(f"parameter 'domain': '{domain}' is no domain of the recipe; known: "
+                             f"{cfg.domain_names()}")
+    cfg = adhoc_config(cfg, f"expert:{domain}", refs)
+    return _in_parent(cfg, "expert-rl", lambda parent: expert_task.with_options(
+        task_run_name=f"expert-{domain}", refresh_cache=refresh)(f"expert:{domain}", cfg, refs, parent, refresh),
+        {"input.init": init, "domain": domain})
+
+
+@flow(name="serve-teachers",
+      description="Make the experts reachable as teachers and check their tokenizers against the student's.")
+def serve_teachers_flow(teacher_refs: dict[str, str], student: str, config: str = "tiny",
+                        overrides: list[str] | None = None, name: str | None = None,
+                        teachers: TeachersParams | None = None) -> dict:
+    """`teacher_refs`: {domain: model reference}; `student`: the student's model reference."""
+    cfg, refs, trefs = validate_parameters("serve-teachers", config, overrides,
+                                           {"teachers": section_dict(teachers)}, _top(name, None, None),
+                                           refs={"student": student}, teacher_refs=teacher_refs)
+    return _in_parent(cfg, "serve-teachers",
+                      lambda parent: serve_teachers_task(cfg, trefs, refs["student"], parent),
+                      {f"input.teacher.{k}": v for k, v in teacher_refs.items()})
+
+
+@flow(name="mopd",
+      description="Multi-teacher on-policy distillation of a student (from SFT) with expert teachers.")
+def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", overrides: list[str] | None = None,
+              name: str | None = None, seed: int | None = None, output_dir: str | None = None,
+              runtime: RuntimeParams | None = None, mopd: MOPDParams | None = None,
+              teachers: TeachersParams | None = None, rollout: RolloutParams | None = None,
+              eval: EvalParams | None = None, refresh: bool = False) -> dict:  # noqa: A002
+    """`init`: the student's starting model (usually `models:/<name>-sft@...`); `teacher_refs`:
+    {domain: expert model reference}."""
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, mopd=mopd, teachers=teachers,
+                                                   rollout=rollout, eval=eval).items()}
+    cfg, refs, trefs = validate_parameters("mopd", config, overrides, sections, _top(name, seed, output_dir),
+                                           refs={"init": init}, teacher_refs=teacher_refs)
+    inputs = {"init": refs["init"], **{f"teacher.{d}": r for d, r in trefs.items()}}
+    cfg = adhoc_config(cfg, "mopd", inputs)
+
+    def body(parent):
+        served = serve_teachers_task(cfg, trefs, refs["init"], parent)
+        inputs2 = {"init": refs["init"], **{f"teacher.{d}": r for d, r in served.items()}}
+        return mopd_task.with_options(refresh_cache=refresh)("mopd", cfg, inputs2, parent, refresh)
+
+    return _in_parent(cfg, "mopd", body, {"input.init": init,
+                                          **{f"input.teacher.{k}": v for k, v in teacher_refs.items()}})
+
+
+@flow(name="evaluate", description="Held-out per-domain accuracy of any set of models.")
+def evaluate_flow(models: dict[str, str], config: str = "tiny", overrides: list[str] | None = None,
+                  name: str | None = None, seed: int | None = None, output_dir: str | None = None,
+                  runtime: RuntimeParams | None = None, rollout: RolloutParams | None = None,
+                  eval: EvalParams | None = None) -> dict:  # noqa: A002
+    """`models`: {label: model reference}."""
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, rollout=rollout, eval=eval).items()}
+    cfg, refs, _ = validate_parameters("evaluate", config, overrides, sections, _top(name, seed, output_dir),
+                                       refs={f"models.{k}": v for k, v in models.items()})
+    inputs = {k.removeprefix("models."): v for k, v in refs.items()}
+    cfg = adhoc_config(cfg, "evaluate", inputs)
+    return _in_parent(cfg, "evaluate", lambda parent: evaluate_task("evaluate", cfg, inputs, parent), {})

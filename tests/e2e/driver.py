@@ -1,0 +1,101 @@
+"""Run flows / query Prefect in a subprocess for the e2e tests (each process gets its own Prefect settings:
+ephemeral mode or PREFECT_API_URL). `python tests/e2e/driver.py SPEC.json OUT.json`.
+
+SPEC: {"ops": [{"op": "run", "flow": "full-recipe", "kwargs": {...}}, {"op": "flow_run", "id": "..."}]}
+OUT: one result per op: flow runs with their state, task runs (name, state) and artifacts (key, type).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+FLOWS = {
+    "full-recipe": ("flows.full_recipe", "full_recipe"),
+    "sft": ("flows.stages", "sft_flow"),
+    "expert-rl": ("flows.stages", "expert_rl_flow"),
+    "serve-teachers": ("flows.stages", "serve_teachers_flow"),
+    "mopd": ("flows.stages", "mopd_flow"),
+    "evaluate": ("flows.stages", "evaluate_flow"),
+}
+
+
+def describe_flow_run(flow_run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, \
+        FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(flow_run_id)
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+        return {
+            "id": str(fr.id), "name": fr.name, "state_type": fr.state.type.value if fr.state else None,
+            "state_name": fr.state.name if fr.state else None,
+            "message": fr.state.message if fr.state else None, "parameters": fr.parameters,
+            "deployment_id": str(fr.deployment_id) if fr.deployment_id else None,
+            "start_time": str(fr.start_time), "end_time": str(fr.end_time),
+            "total_run_time": fr.total_run_time.total_seconds() if fr.total_run_time else None,
+            "task_runs": [{"name": t.name, "state_type": t.state.type.value if t.state else None,
+                           "state_name": t.state.name if t.state else None} for t in trs],
+            "artifacts": [{"key": a.key, "type": a.type, "data": a.data if isinstance(a.data, str) else
+                           json.dumps(a.data)} for a in arts],
+        }
+
+
+def deployment_runs(name: str) -> list[dict]:
+    """Every flow run of deployment `flow/deployment`, oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as c:
+        dep = c.read_deployment_by_name(name)
+        runs = c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+    runs = sorted(runs, key=lambda r: str(r.created))
+    return [describe_flow_run(str(r.id)) for r in runs]
+
+
+def run_flow(op: dict) -> dict:
+    import importlib
+    import time
+
+    mod, fn = FLOWS[op["flow"]]
+    f = getattr(importlib.import_module(mod), fn)
+    t0 = time.perf_counter()
+    state = f(**op.get("kwargs", {}), return_state=True)
+    wall = time.perf_counter() - t0
+    out = {"wall_s": wall, "ok": state.is_completed(), "message": state.message}
+    try:
+        out["result"] = json.loads(json.dumps(state.result(), default=str))
+    except BaseException as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["flow_run"] = describe_flow_run(str(state.state_details.flow_run_id))
+    return out
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    results = []
+    for op in spec["ops"]:
+        try:
+            if op["op"] == "run":
+                results.append(run_flow(op))
+            elif op["op"] == "deployment_runs":
+                results.append(deployment_runs(op["deployment"]))
+            elif op["op"] == "flow_run":
+                results.append(describe_flow_run(op["id"]))
+            else:
+                raise ValueError(op)
+        except BaseException as e:  # noqa: BLE001
+            results.append({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        Path(sys.argv[2]).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
