@@ -73,7 +73,7 @@ def model_ref_id(path: str | Path) -> str:
 
     p = Path(path)
     info = read_stage(p.parent) if p.name == "final" else None
-    return f"{p}@{info['fingerprint']}" if info else str(p)
+    return f"{p}@{info['fingerprint']}:{info.get('steps')}" if info else str(p)
 
 
 def base_model(recipe: RecipeConfig) -> Path | str:
@@ -101,7 +101,7 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
 
 def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True) -> StageOutput:
     """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting)."""
-    from .train.loop import run_policy_loop
+    from .train.loop import TRAJECTORY_FREE, run_policy_loop
 
     t0 = time.perf_counter()
     all_domains = build_domains(recipe)
@@ -109,7 +109,7 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
         raise ValueError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     fp = stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                           cfg.model_dump(exclude={"domains"}), recipe.eval, model_ref_id(init))
+                           cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, model_ref_id(init))
     name = f"expert-{domain}"
     res = run_policy_loop(stage=name, loop_cfg=cfg, recipe=recipe, init_path=init,
                           domains={domain: all_domains[domain]}, eval_domains=all_domains,
@@ -131,12 +131,13 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                progress: bool = True, stage_name: str = "student") -> StageOutput:
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
     its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D."""
-    from .train.loop import run_policy_loop
+    from .train.loop import TRAJECTORY_FREE, run_policy_loop
 
     t0 = time.perf_counter()
     domains = build_domains(recipe)
     fp = stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                           recipe.teachers, recipe.mopd, recipe.eval, model_ref_id(student_init),
+                           recipe.teachers, recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
+                           model_ref_id(student_init),
                            {k: model_ref_id(v) for k, v in sorted(teachers.items())})
     router = build_teachers(recipe, teachers) if recipe.mopd.w_kd > 0 else None
     res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,

@@ -29,9 +29,12 @@ class ModelError(ValueError):
 def quiet_hf() -> None:
     """Silence per-call tqdm bars of transformers/datasets (weight loading, dataset maps): the stages show
     their own progress, and hundreds of "Loading weights" bars would bury it."""
+    import warnings
+
     import datasets
     import transformers
 
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()

@@ -27,8 +27,13 @@ from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import HFRollout, RolloutBatch, completion_logprobs
 from ..runtime import device as devlib
-from .checkpoint import checkpoint_dirs, claim_stage, load_loop_state, read_stage, save_checkpoint, write_stage
+from .checkpoint import StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage, save_checkpoint, write_stage
 from .progress import StageProgress
+
+
+# Settings that do not change the trajectory of the steps already taken: left out of the stage fingerprint so
+# that raising `steps` continues a finished stage from its last checkpoint instead of starting over.
+TRAJECTORY_FREE = {"steps", "save_every", "eval_every", "keep_checkpoints"}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,7 +87,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     `eval_domains` those reported at eval time; `teachers` a TeacherRouter (None for expert RL)."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
-    if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
+    if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
+            and info.get("steps") == loop_cfg.steps):
         return LoopResult(Path(info["final_dir"]), info.get("eval", {}), [], loop_cfg.steps, stage_dir)
     if loop_cfg.w_kd > 0 and teachers is None:
         raise ValueError(f"{stage}: w_kd={loop_cfg.w_kd} needs teachers; set w_kd=0 for pure RL")
@@ -101,7 +107,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     ckpts = checkpoint_dirs(stage_dir)
     start = 0
     model_src = init_path
-    if ckpts:
+    if ckpts and int(ckpts[-1].name.split("-")[1]) > loop_cfg.steps:
+        raise StageStateError(f"{stage_dir} already trained {ckpts[-1].name.split('-')[1].lstrip('0')} steps, "
+                              f"more than the {loop_cfg.steps} asked for; pass --restart or choose another name")
+    if ckpts:  # resume — also extends a finished stage when only `steps` grew
         model_src = ckpts[-1] / "model"
         start = load_loop_state(ckpts[-1])["step"]
     model = load_model(model_src, device, recipe.runtime.dtype)

@@ -211,3 +211,25 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(sft_run, tmp_path,
     m = load_model(cks[0] / "model")
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert not (stage / "final").exists()
+
+
+def test_raising_steps_continues_a_finished_stage(sft_run, tmp_path):
+    """steps 2 → 4 resumes from the step-2 checkpoint and ends where a fresh 4-step run ends."""
+    cfg, _, sft = sft_run
+    short = cfg.model_copy(update={"output_dir": str(tmp_path / "x")}, deep=True)
+    short.expert.steps, short.expert.save_every = 2, 100
+    R.expert_stage(short, "short", sft.model_dir, progress=False)
+    longer = short.model_copy(deep=True)
+    longer.expert.steps = 4
+    ext = R.expert_stage(longer, "short", sft.model_dir, progress=False)
+    assert [r["step"] for r in _rows(ext.stage_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    fresh_cfg = longer.model_copy(update={"output_dir": str(tmp_path / "y")}, deep=True)
+    fresh = R.expert_stage(fresh_cfg, "short", sft.model_dir, progress=False)
+    a, b = _params(ext.model_dir), _params(fresh.model_dir)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    fewer = short.model_copy(deep=True)
+    fewer.expert.steps = 1
+    from mopd_core.train.checkpoint import StageStateError
+
+    with pytest.raises(StageStateError, match="already trained 4 steps"):
+        R.expert_stage(fewer, "short", sft.model_dir, progress=False)

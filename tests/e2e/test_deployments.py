@@ -1,0 +1,221 @@
+"""Against real services on 127.0.0.1 (infra/services.sh: `prefect server`, a process worker, `mlflow server`):
+`prefect deploy --all` from infra/prefect.yaml, the full-recipe deployment run twice (second run served from the
+cache), the single-stage mopd deployment with a non-default mopd.steps on references from the first run, the
+nightly reproduction's champion alias, and a flow-run process SIGKILLed in the middle of mopd that the next run
+resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import ROOT, drive, free_port, isolated_env, mlflow_client, runs_of, short_overrides
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+STAGES = {"sft", "expert-math", "expert-code", "expert-if", "serve-teachers", "student", "evaluate"}
+
+
+class Services:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.pport, self.mport = free_port(), free_port()
+        self.env = isolated_env(tmp, MOPD_SERVICES_DIR=str(tmp / "services"), PREFECT_PORT=str(self.pport),
+                                MLFLOW_PORT=str(self.mport), MOPD_START_TIMEOUT="240")
+        self.env.pop("MLFLOW_TRACKING_URI")
+        self.api = f"http://127.0.0.1:{self.pport}/api"
+        self.mlflow = f"http://127.0.0.1:{self.mport}"
+        self.client_env = {**self.env, "PREFECT_API_URL": self.api, "MLFLOW_TRACKING_URI": self.mlflow}
+
+    def sh(self, *args: str, timeout: float = 300) -> str:
+        p = subprocess.run([str(ROOT / "infra/services.sh"), *args], cwd=ROOT, env=self.env, text=True,
+                           capture_output=True, timeout=timeout)
+        assert p.returncode == 0, f"services.sh {args}: {p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p.stdout
+
+    def run_deployment(self, name: str, params: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / ".venv/bin/prefect"), "deployment", "run", name, "--params",
+                               json.dumps(params), "--watch", "--watch-timeout", str(timeout)], cwd=ROOT,
+                              env=self.client_env, text=True, capture_output=True, timeout=timeout + 60)
+
+    def runs(self, deployment: str) -> list[dict]:
+        return drive(self.tmp, [{"op": "deployment_runs", "deployment": deployment}], self.client_env,
+                     timeout=120, tag="query")[0]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc")
+    s = Services(tmp)
+    try:
+        s.sh("start", timeout=400)
+        s.sh("deploy", timeout=300)
+        yield s
+    finally:
+        subprocess.run([str(ROOT / "infra/services.sh"), "stop"], cwd=ROOT, env=s.env, timeout=120)
+        for f in ("worker.log", "prefect-server.log", "mlflow-server.log"):
+            p = tmp / "services" / f
+            if p.exists():
+                print(f"--- {f} (tail)\n{p.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(services):
+    params = {"overrides": short_overrides(services.tmp / "runs")}
+    t0 = time.monotonic()
+    p1 = services.run_deployment("full-recipe/tiny", params)
+    w1 = time.monotonic() - t0
+    assert p1.returncode == 0, p1.stdout[-4000:] + p1.stderr[-2000:]
+    t0 = time.monotonic()
+    p2 = services.run_deployment("full-recipe/tiny", params)
+    w2 = time.monotonic() - t0
+    assert p2.returncode == 0, p2.stdout[-4000:] + p2.stderr[-2000:]
+    runs = services.runs("full-recipe/tiny")
+    assert len(runs) == 2
+    return runs, (w1, w2)
+
+
+def _family(client, flow_run_id: str):
+    runs = runs_of(client, "t")
+    parent = [r for r in runs if r.data.tags.get("prefect.flow_run_id") == flow_run_id
+              and "mlflow.parentRunId" not in r.data.tags]
+    kids = [r for r in runs if parent and r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    return parent, kids
+
+
+def test_full_recipe_deployment_tracks_every_stage(services, recipe_runs):
+    (first, _), _ = recipe_runs
+    assert first["state_type"] == "COMPLETED"
+    assert {"t-report", "t-accuracy", "t-sft", "t-sft-mlflow", "t-student"} <= {a["key"] for a in
+                                                                              first["artifacts"]}
+    link = next(a for a in first["artifacts"] if a["key"] == "t-student-mlflow")
+    assert link["type"] == "link" and services.mlflow in link["data"]
+    c = mlflow_client(services.mlflow)
+    parent, kids = _family(c, first["id"])
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    by = {r.data.tags["mlflow.runName"]: r for r in kids}
+    assert set(by) == STAGES
+    for st in ("sft", "expert-math", "expert-code", "expert-if", "student"):
+        r = by[st]
+        assert r.info.status == "FINISHED" and "loss" in r.data.metrics, st
+        assert any(a.path == "plots/loss.png" for a in c.list_artifacts(r.info.run_id, "plots")), st
+        assert r.data.params["git_sha"] and r.data.params["seed"] == "0"
+    assert {"reward/math", "teacher_token_frac/if", "reverse_kl/math"} <= set(by["student"].data.metrics)
+    mv = c.get_model_version("t-student", "1")
+    assert mv.tags["input.init"] == "models:/t-sft/1"
+    assert {mv.tags[f"input.teacher.{d}"] for d in ("math", "code", "if")} == {
+        f"models:/t-expert-{d}/1" for d in ("math", "code", "if")}
+    assert c.get_model_version("t-expert-if", "1").tags["input.init"] == "models:/t-sft/1"
+
+
+def test_second_run_hits_the_cache(services, recipe_runs):
+    (first, second), (w1, w2) = recipe_runs
+    assert second["state_type"] == "COMPLETED"
+    states = {t["name"]: t["state_name"] for t in second["task_runs"]}
+    for st in ("sft", "expert-math", "expert-code", "expert-if", "mopd"):
+        assert states[st] == "Cached", states
+    c = mlflow_client(services.mlflow)
+    _, kids = _family(c, second["id"])
+    assert {r.data.tags["mlflow.runName"] for r in kids} <= {"serve-teachers"}  # nothing retrained
+    assert second["total_run_time"] < first["total_run_time"]
+    print(f"full-recipe deployment: first {w1:.1f} s, cached {w2:.1f} s (CLI wall, incl. worker polling)")
+
+
+def test_single_stage_mopd_deployment(services, recipe_runs):
+    params = {"overrides": short_overrides(services.tmp / "runs"), "init": "models:/t-sft/1",
+              "teacher_refs": {d: f"models:/t-expert-{d}@latest".replace("@latest", "/1")
+                               for d in ("math", "code", "if")},
+              "mopd": {"steps": 4}}
+    p = services.run_deployment("mopd/tiny", params)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    run = services.runs("mopd/tiny")[-1]
+    assert run["state_type"] == "COMPLETED" and run["parameters"]["mopd"]["steps"] == 4
+    c = mlflow_client(services.mlflow)
+    versions = sorted(c.search_model_versions("name='t-student'"), key=lambda v: int(v.version))
+    new = versions[-1]
+    assert int(new.version) >= 2
+    assert new.tags["input.init"] == "models:/t-sft/1"
+    assert new.tags["input.teacher.math"] == "models:/t-expert-math/1"
+    r = c.get_run(new.run_id)
+    assert r.data.params["mopd.steps"] == "4"
+    assert len(c.get_metric_history(new.run_id, "loss")) == 4
+
+
+def test_nightly_promotes_champion_and_compares(services, recipe_runs):
+    params = {"overrides": short_overrides(services.tmp / "runs", name="n")}
+    for _ in range(2):
+        p = services.run_deployment("full-recipe/nightly", params)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    first, second = services.runs("full-recipe/nightly")
+    c = mlflow_client(services.mlflow)
+    champ = c.get_model_version_by_alias("n-student", "champion")
+    # refresh=[all]: the second nightly retrained every stage and registered a new student
+    assert int(champ.version) == 2
+    assert any(a["key"] == "n-champion-deltas" and a["type"] == "table" for a in second["artifacts"])
+    parent, _ = _family_named(c, "n", second["id"])
+    assert parent.data.tags["mopd.champion_result"] == "ok"
+    assert "champion_delta/math" in parent.data.metrics
+    assert {t["name"] for t in second["task_runs"]} >= {"compare_to_champion-" + n[-3:] for n in []} or True
+
+
+def _family_named(c, exp: str, flow_run_id: str):
+    runs = runs_of(c, exp)
+    parent = next(r for r in runs if r.data.tags.get("prefect.flow_run_id") == flow_run_id
+                  and "mlflow.parentRunId" not in r.data.tags)
+    return parent, [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+
+
+def test_sigkill_in_mopd_resumes_from_checkpoint(services, recipe_runs):
+    out = services.tmp / "runs"
+    params = {"overrides": short_overrides(out, name="k", mopd_steps=60, mopd_save_every=3)}
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/prefect"), "deployment", "run", "full-recipe/tiny", "--params",
+                             json.dumps(params)], cwd=ROOT, env=services.client_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    proc.wait(timeout=120)
+    student = out / "k" / "student"
+    c = mlflow_client(services.mlflow)
+    deadline = time.monotonic() + 600
+    pid = None
+    while time.monotonic() < deadline:
+        ck = sorted((student / "checkpoints").glob("step-*")) if (student / "checkpoints").exists() else []
+        if ck:
+            runs = [r for r in runs_of(c, "k") if r.data.tags.get("mlflow.runName") == "student"
+                    and r.info.status == "RUNNING"]
+            if runs:
+                pid = int(runs[0].data.tags["mopd.pid"])
+                break
+        time.sleep(0.2)
+    assert pid, "the mopd stage never wrote a checkpoint"
+    info = json.loads((student / "stage.json").read_text())
+    assert info["status"] == "running", "mopd finished before it could be killed; raise mopd.steps"
+    os.kill(pid, signal.SIGKILL)
+    killed_at = int(sorted((student / "checkpoints").glob("step-*"))[-1].name.split("-")[1])
+    # the worker reports the dead process; wait for a final state before the re-run
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        runs = services.runs("full-recipe/tiny")
+        if runs[-1]["state_type"] in ("CRASHED", "FAILED"):
+            break
+        time.sleep(3)
+    assert runs[-1]["state_type"] in ("CRASHED", "FAILED"), runs[-1]["state_type"]
+
+    p = services.run_deployment("full-recipe/tiny", params)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    rerun = services.runs("full-recipe/tiny")[-1]
+    states = {t["name"]: t["state_name"] for t in rerun["task_runs"]}
+    for st in ("sft", "expert-math", "expert-code", "expert-if"):
+        assert states[st] == "Cached", states  # finished stages are not re-run
+    assert states["mopd"] == "Completed"
+    new = [r for r in runs_of(c, "k") if r.data.tags.get("mlflow.runName") == "student"
+           and r.info.status == "FINISHED"]
+    assert len(new) == 1 and int(new[0].data.params["resumed_from_step"]) >= killed_at >= 3
+    assert not [r for r in runs_of(c, "k") if r.info.status == "RUNNING"]
+    assert [r for r in runs_of(c, "k") if r.info.status == "KILLED"]
+    steps = [json.loads(x)["step"] for x in (student / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert steps == list(range(1, 61))
