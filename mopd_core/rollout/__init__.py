@@ -59,12 +59,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, full: bool = False,
-                        micro_batch_size: int | None = None):
-    """Per-token log-probs of the completion tokens under `model`: `[B,T]` (and the full `[B,T,V]` log-softmax
-    when `full`). Gradients flow when called outside `no_grad`. Micro-batching bounds activation memory."""
+                        micro_batch_size: int | None = None, entropy: bool = False):
+    """Per-token log-probs of the completion tokens under `model`: `[B,T]`. With `full`, also the full `[B,T,V]`
+    log-softmax (the JSD loss needs it); with `entropy`, also the detached per-token entropy `[B,T]` — computed
+    per micro-batch so no `[B,T,V]` tensor outlives it (a 128k vocabulary makes those large). Gradients flow
+    when called outside `no_grad`. Returns a tuple when either extra is asked for: (logp, full?, entropy?)."""
     B, T = batch.completion_ids.shape
     step = micro_batch_size or B
-    token_lp, full_lp = [], []
+    token_lp, full_lp, ents = [], [], []
     for s in range(0, B, step):
         sub = batch.select(range(s, min(B, s + step))) if step < B else batch
         ids, am = sub.input_ids(), sub.attention_mask()
@@ -75,8 +77,13 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, fu
         token_lp.append(torch.where(sub.completion_mask.bool(), tok, torch.zeros_like(tok)))
         if full:
             full_lp.append(lp)
+        if entropy:
+            with torch.no_grad():
+                ents.append(-(lp.exp() * lp).sum(-1))
     out = torch.cat(token_lp)
-    return (out, torch.cat(full_lp)) if full else out
+    if not (full or entropy):
+        return out
+    return (out,) + ((torch.cat(full_lp),) if full else ()) + ((torch.cat(ents),) if entropy else ())
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], device, max_prompt_tokens: int | None = None):

@@ -55,7 +55,7 @@ class LocalTeacher:
         try:
             if top_k:
                 logp, full = completion_logprobs(self.model, batch, self.temperature, full=True,
-                                                 micro_batch_size=self.batch_size)
+                                                 micro_batch_size=self.batch_size)  # local top-k only
                 tk = full.topk(top_k, dim=-1)
                 out = TeacherScore(logp, tk.indices, tk.values)
             else:

@@ -273,7 +273,10 @@ def _update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, 
         for s in range(0, len(mb), micro):
             rows = mb[s:s + micro]
             sub = batch.select(rows)
-            logp, full = completion_logprobs(model, sub, temperature, full=True)
+            if use_jsd:
+                logp, full, ent = completion_logprobs(model, sub, temperature, full=True, entropy=True)
+            else:
+                logp, ent = completion_logprobs(model, sub, temperature, entropy=True)
             mk = mask[rows]
             tw = token_w[rows] if token_w is not None else None
             loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows], mk, cfg.clip_low, cfg.clip_high,
@@ -288,7 +291,6 @@ def _update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, 
                 agg["jsd"] += float(jsd.detach()) * share / len(mbs)
             total.backward()
             with torch.no_grad():
-                ent = -(full.exp() * full).sum(-1)
                 agg["entropy"] += float((ent * mk).sum()) / n_mb / len(mbs)
             for k in ("clip_frac", "approx_kl", "ratio_mean"):
                 agg[k] += met.get(k, 0.0) * share / len(mbs)

@@ -161,7 +161,6 @@ def test_nightly_promotes_champion_and_compares(services, recipe_runs):
     parent, _ = _family_named(c, "n", second["id"])
     assert parent.data.tags["mopd.champion_result"] == "ok"
     assert "champion_delta/math" in parent.data.metrics
-    assert {t["name"] for t in second["task_runs"]} >= {"compare_to_champion-" + n[-3:] for n in []} or True
 
 
 def _family_named(c, exp: str, flow_run_id: str):
