@@ -107,6 +107,16 @@ class SFTConfig(_Model):
                                          "None = the data.domains weights.")
     num_examples: int | None = Field(None, ge=1, description="Distinct SFT examples; None = steps×batch.")
     logging_steps: int = Field(50, ge=1, description="Log every N steps.")
+    eval_every: int = Field(0, ge=0, description="Greedy held-out accuracy every N steps (0 = only at the "
+                            "end); shows where SFT sits on its learning curve.")
+    eval_size: int | None = Field(None, ge=1, description="Eval prompts per domain during SFT; None = all.")
+
+    @model_validator(mode="after")
+    def _eval_on_log_steps(self) -> "SFTConfig":
+        if self.eval_every and self.eval_every % self.logging_steps:
+            raise ValueError(f"sft.eval_every={self.eval_every} must be a multiple of sft.logging_steps="
+                             f"{self.logging_steps} (evaluation runs at logging steps)")
+        return self
 
 
 class RolloutConfig(_Model):
@@ -133,6 +143,29 @@ class TeachersConfig(_Model):
     offload: bool = Field(True, description="Keep teachers in CPU memory except while they score.")
     batch_size: int | None = Field(None, ge=1, description="Sequences per teacher forward; None = all.")
     endpoints: dict[str, str] | None = Field(None, description="http backend: {teacher_id: url}.")
+    serve_python: str = Field(".venv-vllm/bin/python", description="http backend, served teachers: python of "
+                              "the vLLM environment (runs `-m vllm.entrypoints.openai.api_server`); a relative "
+                              "path resolves against the working dir, then the project root. Build it with "
+                              "infra/vllm_venv.sh.")
+    max_logprobs: int = Field(20, ge=1, description="Server --max-logprobs: the largest top-k a scoring request "
+                              "may ask (must be ≥ mopd.jsd_top_k for kd_loss=jsd).")
+    max_concurrency: int = Field(4, ge=1, description="http backend: concurrent scoring requests per teacher.")
+    request_batch_size: int = Field(8, ge=1, description="http backend: sequences per /v1/completions request "
+                                    "(a list prompt; the server batches them).")
+    request_timeout_s: float = Field(120.0, gt=0, description="http backend: timeout of one scoring request.")
+    retries: int = Field(3, ge=0, description="http backend: retries of a request on transient failures "
+                         "(connection refused/reset, timeouts, HTTP 5xx), exponential backoff; 4xx never retried.")
+    restarts: int = Field(2, ge=0, description="Served teachers: restarts of a dead server per teacher (the "
+                          "batch is scored again after each); 0 = fail at once naming the teacher.")
+    startup_timeout_s: float = Field(300.0, gt=0, description="Served teachers: seconds to wait for a server's "
+                                     "/health after launch.")
+    server_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Served teachers: vLLM --dtype (float32 on CPU matches the local backend).")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Served teachers on GPU: vLLM "
+                                                 "--gpu-memory-utilization; None = vLLM's default.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Served teachers: vLLM --tensor-parallel-size.")
+    kv_cache_gib: int = Field(1, ge=1, description="Served teachers on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV "
+                              "cache per server; vLLM's default asks for most of the RAM).")
 
 
 class PolicyLoopConfig(_Model):

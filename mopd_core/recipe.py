@@ -91,7 +91,8 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
     t0 = time.perf_counter()
     base = base or base_model(recipe)
     domains = build_domains(recipe)
-    fp = stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, recipe.sft,
+    sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
+    fp = stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
                            recipe.rollout.max_new_tokens, recipe.eval, model_ref_id(base))
     res = run_sft(recipe=recipe, base_path=base, domains=domains, stage_dir=recipe.run_dir() / "sft",
                   fingerprint=fp, progress=progress)

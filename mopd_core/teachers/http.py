@@ -72,6 +72,11 @@ class HttpTeacher:
         self.request_batch_size = max(1, int(request_batch_size))
         self.retries, self.backoff_s, self.restarts = int(retries), float(backoff_s), int(restarts)
         self.supervisor = supervisor
+        if abs(self.temperature - 1.0) > 1e-9:
+            # vLLM computes prompt_logprobs from the raw logits (its sampler's temperature is never applied to
+            # prompt tokens), so a τ≠1 teacher would silently get τ=1 numbers.
+            raise TeacherError(f"teacher '{name}': teachers.temperature={temperature} is not supported by the http "
+                               "backend (vLLM's prompt_logprobs ignore temperature) — use 1.0 or backend=local")
         self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0, "requests": 0, "retries": 0, "restarts": 0}
         self._lock = threading.Lock()
         self._client = httpx.Client(
@@ -197,6 +202,8 @@ class HttpTeacher:
         """Per-token log-probs of every completion token (and its top-k). Retries transient failures; if the
         server process died, the supervisor restarts it and the whole batch is scored again."""
         t0 = time.perf_counter()
+        if self.supervisor is not None and hasattr(self.supervisor, "url_of"):
+            self.url = (self.supervisor.url_of(self.name) or self.url).rstrip("/")  # moved after a restart?
         attempt = 0
         while True:
             try:

