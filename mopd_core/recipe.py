@@ -119,33 +119,66 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
                        res.history)
 
 
-def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path]):
-    if recipe.teachers.backend != "local":
-        raise NotImplementedError("teachers.backend=http arrives with the teacher-serving stage; use local")
-    from .teachers import build_local_router
+# TeachersConfig fields that change the teacher signal (the rest — pools, timeouts, ports — only change how it
+# is fetched) and therefore belong in the mopd stage fingerprint.
+TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights", "domain_mixture_weights",
+                         "temperature", "server_dtype"}
 
+
+def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path], student: str | Path,
+                   stage_dir: Path | None = None):
+    """A TeacherRouter for the configured backend, every pre-flight check done. Returns (router, servers):
+    `servers` is the TeacherServers this call started (http backend without `teachers.endpoints`), which the
+    caller must stop; None otherwise."""
     dinfo = devlib.resolve(recipe.runtime.device)
-    return build_local_router(teachers, recipe.teachers, dinfo.torch_device, recipe.runtime.dtype)
+    if recipe.teachers.backend == "local":
+        from .teachers import build_local_router
+
+        return build_local_router(teachers, recipe.teachers, dinfo.torch_device, recipe.runtime.dtype), None
+    from .models import load_tokenizer, tokenizer_fingerprint
+    from .teachers.http import build_http_router
+
+    student_tok = load_tokenizer(student)
+    max_seq = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+    if recipe.teachers.endpoints:  # external servers (TRL's teacher_server_urls style)
+        return build_http_router(recipe.teachers.endpoints, recipe.teachers, student_tok, max_seq_len=max_seq), None
+    from .teachers.serving import serve_teachers
+
+    servers = serve_teachers(teachers, recipe.teachers, Path(stage_dir or recipe.run_dir()) / "teachers",
+                             max_seq_len=max_seq, student_fingerprint=tokenizer_fingerprint(student_tok))
+    servers.start()
+    try:
+        return build_http_router(servers, recipe.teachers, student_tok, max_seq_len=max_seq), servers
+    except BaseException:
+        servers.stop()
+        raise
 
 
 def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
                progress: bool = True, stage_name: str = "student") -> StageOutput:
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
-    its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D."""
+    its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D. With `teachers.backend: http` the teachers are
+    vLLM servers (started here and stopped when the stage ends, also on failure) or `teachers.endpoints`."""
     from .train.loop import TRAJECTORY_FREE, run_policy_loop
 
     t0 = time.perf_counter()
     domains = build_domains(recipe)
+    served = {k: model_ref_id(v) for k, v in sorted(teachers.items())}
     fp = stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                           recipe.teachers, recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
-                           model_ref_id(student_init),
-                           {k: model_ref_id(v) for k, v in sorted(teachers.items())})
-    router = build_teachers(recipe, teachers) if recipe.mopd.w_kd > 0 else None
-    res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
-                          domains=domains, eval_domains=domains, stage_dir=recipe.run_dir() / stage_name,
-                          fingerprint=fp, teachers=router, progress=progress)
-    return StageOutput(stage_name, res.final_dir, recipe.run_dir() / stage_name, res.eval,
-                       time.perf_counter() - t0, res.history)
+                           recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
+                           recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
+                           model_ref_id(student_init), recipe.teachers.endpoints or served)
+    stage_dir = recipe.run_dir() / stage_name
+    router, servers = (build_teachers(recipe, teachers, student_init, stage_dir) if recipe.mopd.w_kd > 0
+                       else (None, None))
+    try:
+        res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
+                              domains=domains, eval_domains=domains, stage_dir=stage_dir,
+                              fingerprint=fp, teachers=router, progress=progress)
+    finally:
+        if servers is not None:
+            servers.stop()
+    return StageOutput(stage_name, res.final_dir, stage_dir, res.eval, time.perf_counter() - t0, res.history)
 
 
 def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool = True) -> StageOutput:

