@@ -4,7 +4,7 @@ tasks call the same functions one by one. Stages pass model references (checkpoi
 Each stage owns `<output_dir>/<name>/<stage>/` and a fingerprint of everything that determines its result
 (its config sections, the seed, and the identity of its input models). Re-running a finished stage with the
 same fingerprint reuses it; an interrupted one resumes from its last checkpoint; a folder written under another
-fingerprint is refused rather than overwritten.
+fingerprint is set aside as `<stage>@<fingerprint>`, never overwritten.
 """
 
 from __future__ import annotations

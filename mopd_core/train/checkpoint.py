@@ -12,6 +12,7 @@ Stage folder layout::
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from ..models import save_pretrained
+
+log = logging.getLogger("mopd")
 
 
 class StageStateError(ValueError):
@@ -40,13 +43,25 @@ def write_stage(stage_dir: Path, info: dict) -> None:
 
 
 def claim_stage(stage_dir: Path, fingerprint: str, meta: dict | None = None) -> dict | None:
-    """Returns the stage record if this folder already holds the same stage (to resume or reuse); a folder of a
-    different stage config is refused — nothing in it is touched."""
+    """Make `stage_dir` the folder of the stage with `fingerprint`; returns its record when it already holds that
+    stage (to resume or reuse). A folder written under another fingerprint (the config or an upstream model
+    changed) is never overwritten: it is set aside as `<stage>@<its fingerprint>`, and a folder set aside earlier
+    under the requested fingerprint is brought back — switching configs back and forth retrains nothing."""
+    stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
     if info is not None and info.get("fingerprint") != fingerprint:
-        raise StageStateError(
-            f"{stage_dir} holds a run with another config (fingerprint {info.get('fingerprint')} ≠ {fingerprint});"
-            " pass --restart to discard it or choose another output_dir/name")
+        aside = stage_dir.with_name(f"{stage_dir.name}@{info.get('fingerprint')}")
+        if aside.exists():  # an older copy of that same config: the current folder is at least as far along
+            shutil.rmtree(aside)
+        stage_dir.rename(aside)
+        log.warning("%s was written under another config; kept as %s, this run starts its own", stage_dir, aside)
+        info = None
+    if info is None:
+        back = stage_dir.with_name(f"{stage_dir.name}@{fingerprint}")
+        if back.exists() and not stage_dir.exists():
+            back.rename(stage_dir)
+            log.info("%s: reusing the folder set aside for this config", stage_dir)
+            return read_stage(stage_dir)
     if info is None:
         write_stage(stage_dir, {"fingerprint": fingerprint, "status": "running", **(meta or {})})
     return info

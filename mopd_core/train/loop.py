@@ -27,7 +27,8 @@ from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import HFRollout, RolloutBatch, completion_logprobs
 from ..runtime import device as devlib
-from .checkpoint import StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage, save_checkpoint, write_stage
+from .checkpoint import (StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage,
+                         save_checkpoint, write_stage)
 from .progress import StageProgress
 
 
@@ -102,7 +103,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         teachers.check(tokenizer_fingerprint(tokenizer), list(domains))
     names = list(domains)
     weights = _mix(loop_cfg, recipe, names)
-    claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
+    info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
+    if info and info.get("status") == "done" and info.get("steps") == loop_cfg.steps:  # brought back from aside
+        return LoopResult(Path(info["final_dir"]), info.get("eval", {}), [], loop_cfg.steps, stage_dir)
 
     ckpts = checkpoint_dirs(stage_dir)
     start = 0

@@ -56,7 +56,9 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     cfg = recipe.sft
     rows = sft_examples(recipe, domains)  # validates data before any compute
     dinfo = devlib.resolve(recipe.runtime.device)
-    claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
+    info = claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
+    if info and info.get("status") == "done":  # brought back from aside
+        return SFTResult(Path(info["final_dir"]), info.get("eval", {}), [])
     tokenizer = load_tokenizer(base_path)
     model = load_model(base_path, dinfo.torch_device, recipe.runtime.dtype)
     history: list[dict] = []

@@ -173,20 +173,28 @@ def test_resumed_run_next_step_equals_uninterrupted(sft_run, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
-def test_finished_stage_is_reused_and_other_config_refused(sft_run, tmp_path):
+def test_finished_stage_is_reused_and_other_config_set_aside(sft_run, tmp_path):
     cfg, _, sft = sft_run
     cfg = cfg.model_copy(update={"output_dir": str(tmp_path)}, deep=True)
     cfg.expert.steps = 1
     first = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
-    mtime = (first.model_dir / "model.safetensors").stat().st_mtime_ns
+    weights = first.model_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
     again = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
-    assert (again.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
-    cfg.expert.lr = 1e-3
-    from mopd_core.train.checkpoint import StageStateError
+    assert (again.model_dir / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not retrained
+    old_fp = json.loads((first.stage_dir / "stage.json").read_text())["fingerprint"]
 
-    with pytest.raises(StageStateError, match="another config"):
-        R.expert_stage(cfg, "short", sft.model_dir, progress=False)
-    assert (first.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    other = cfg.model_copy(deep=True)
+    other.expert.lr = 1e-3
+    R.expert_stage(other, "short", sft.model_dir, progress=False)  # another config: the old folder is kept
+    aside = first.stage_dir.with_name(f"expert-short@{old_fp}")
+    assert (aside / "final" / "model.safetensors").stat().st_mtime_ns == mtime
+    new_fp = json.loads((first.stage_dir / "stage.json").read_text())["fingerprint"]
+    assert new_fp != old_fp
+
+    back = R.expert_stage(cfg, "short", sft.model_dir, progress=False)  # switching back retrains nothing
+    assert (back.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    assert first.stage_dir.with_name(f"expert-short@{new_fp}").exists() and not aside.exists()
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(sft_run, tmp_path, monkeypatch):
