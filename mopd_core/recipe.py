@@ -73,7 +73,15 @@ def model_ref_id(path: str | Path) -> str:
 
     p = Path(path)
     info = read_stage(p.parent) if p.name == "final" else None
-    return f"{p}@{info['fingerprint']}:{info.get('steps')}" if info else str(p)
+    # location-free for stage outputs: a copied or moved run folder keeps every downstream stage reusable
+    if info:
+        return f"stage:{info['fingerprint']}:{info.get('steps')}"
+    if (p / "config.json").exists():  # a checkpoint dir: its config and weight sizes, not where it lies
+        import hashlib
+
+        sizes = sorted((f.name, f.stat().st_size) for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
+        return f"dir:{hashlib.sha256((p / 'config.json').read_bytes()).hexdigest()[:16]}:{sizes}"
+    return str(p)  # a hub id
 
 
 def base_model(recipe: RecipeConfig) -> Path | str:

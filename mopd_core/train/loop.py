@@ -90,7 +90,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     info = read_stage(stage_dir)
     if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
             and info.get("steps") == loop_cfg.steps):
-        return LoopResult(Path(info["final_dir"]), info.get("eval", {}), [], loop_cfg.steps, stage_dir)
+        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
     if loop_cfg.w_kd > 0 and teachers is None:
         raise ValueError(f"{stage}: w_kd={loop_cfg.w_kd} needs teachers; set w_kd=0 for pure RL")
     if loop_cfg.w_kd == 0 and loop_cfg.w_rl == 0:
@@ -105,7 +105,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     weights = _mix(loop_cfg, recipe, names)
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
     if info and info.get("status") == "done" and info.get("steps") == loop_cfg.steps:  # brought back from aside
-        return LoopResult(Path(info["final_dir"]), info.get("eval", {}), [], loop_cfg.steps, stage_dir)
+        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
 
     ckpts = checkpoint_dirs(stage_dir)
     start = 0

@@ -52,13 +52,13 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
     if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
-        return SFTResult(Path(info["final_dir"]), info.get("eval", {}), [])
+        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     cfg = recipe.sft
     rows = sft_examples(recipe, domains)  # validates data before any compute
     dinfo = devlib.resolve(recipe.runtime.device)
     info = claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
     if info and info.get("status") == "done":  # brought back from aside
-        return SFTResult(Path(info["final_dir"]), info.get("eval", {}), [])
+        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     tokenizer = load_tokenizer(base_path)
     model = load_model(base_path, dinfo.torch_device, recipe.runtime.dtype)
     history: list[dict] = []

@@ -46,3 +46,14 @@ def test_recipe_cli_then_same_seed_in_process_gives_same_table(tmp_path):
     again = R.run_recipe(cfg_a, progress=False)
     assert again.accuracy == acc_a
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+    # a copied run folder is reusable where it lands: fingerprints name no paths
+    import shutil
+
+    c = tmp_path / "c"
+    shutil.copytree(a, c)
+    moved = {p: p.stat().st_mtime_ns for p in (c / "t").glob("*/final/model.safetensors")}
+    shutil.rmtree(a)  # the copy must not lean on the original
+    res_c = R.run_recipe(load_config("tiny", tiny_overrides(c)), progress=False)
+    assert {p: p.stat().st_mtime_ns for p in moved} == moved
+    assert res_c.accuracy == acc_a and res_c.outputs["student"].model_dir == c / "t" / "student" / "final"
