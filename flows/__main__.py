@@ -17,9 +17,12 @@ def main(argv: list[str] | None = None) -> int:
                     "evaluate, all)")
     ap.add_argument("--champion", action="store_true", help="compare with <name>-student@champion")
     ap.add_argument("--sequential-experts", action="store_true", help="train experts one after another")
+    ap.add_argument("--concurrent-experts", action="store_true", help="train experts at the same time")
     a = ap.parse_args(argv)
     os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # a loaded machine can take more than the default 20 s to start the temporary server
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "mopd")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from flows.full_recipe import full_recipe
@@ -29,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = full_recipe(config=a.config, overrides=a.overrides, refresh=a.refresh or None,
                           champion=ChampionParams(compare=a.champion),
-                          concurrent_experts=not a.sequential_experts)
+                          concurrent_experts=(False if a.sequential_experts else True if a.concurrent_experts else None))
     except ParameterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.params import (ChampionParams, EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams,
                           SFTParams, TeachersParams, section_dict)
+from tasks.common import experts_concurrently
 from tasks.runs import (close_recipe_run, compare_to_champion, find_champion, open_recipe_run, report_task,
                         validate_parameters)
 from tasks.stages import as_ref, evaluate_task, expert_task, mopd_task, serve_teachers_task, sft_task
@@ -30,20 +31,21 @@ def full_recipe(
     name: str | None = None,
     seed: int | None = None,
     output_dir: str | None = None,
-    runtime: RuntimeParams | None = None,
-    sft: SFTParams | None = None,
-    rollout: RolloutParams | None = None,
-    expert: ExpertParams | None = None,
-    teachers: TeachersParams | None = None,
-    mopd: MOPDParams | None = None,
-    eval: EvalParams | None = None,  # noqa: A002 - the config section's name
+    runtime: RuntimeParams = RuntimeParams(),
+    sft: SFTParams = SFTParams(),
+    rollout: RolloutParams = RolloutParams(),
+    expert: ExpertParams = ExpertParams(),
+    teachers: TeachersParams = TeachersParams(),
+    mopd: MOPDParams = MOPDParams(),
+    eval: EvalParams = EvalParams(),  # noqa: A002 - the config section's name
     refresh: list[str] | None = None,
-    champion: ChampionParams | None = None,
-    concurrent_experts: bool = True,
+    champion: ChampionParams = ChampionParams(),
+    concurrent_experts: bool | None = None,
 ) -> dict:
     """Run the recipe. `config`: preset name (configs/) or YAML path; `overrides`: dotted key=value;
     section parameters override single fields; `refresh`: stages to retrain (`sft`, `expert-<d>`, `student`,
-    `evaluate`, `all`); `champion`: compare with `<name>-student@champion` (nightly)."""
+    `evaluate`, `all`); `champion`: compare with `<name>-student@champion` (nightly); `concurrent_experts`:
+    None = at the same time on an accelerator, or on CPU when each expert has a core (runtime.num_threads=1)."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, expert=expert,
                                                    teachers=teachers, mopd=mopd, eval=eval).items()}
     cfg, _, _ = validate_parameters("full-recipe", config, overrides, sections,
@@ -64,7 +66,7 @@ def full_recipe(
         stages = {"sft": s}
         domains = cfg.expert.domains or cfg.domain_names()
         eargs = {d: (f"expert:{d}", cfg, {"init": as_ref(s)}, parent, is_fresh(f"expert-{d}")) for d in domains}
-        if concurrent_experts:
+        if experts_concurrently(cfg, concurrent_experts):
             futs = {d: opts(expert_task, f"expert-{d}", f"expert-{d}").submit(*eargs[d]) for d in domains}
             experts = {d: f.result() for d, f in futs.items()}
         else:

@@ -10,22 +10,41 @@ stage starts; an error names the parameter.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer
+from pydantic.json_schema import SkipJsonSchema
 
 from mopd_core.config import (EvalConfig, ExpertRLConfig, MOPDConfig, RolloutConfig, RuntimeConfig, SFTConfig,
                               TeachersConfig)
 
 
+class _Partial(BaseModel):
+    """Serialises without the empty fields: `SFTParams()` is `{}` (a deployment's default and the UI form then
+    hold only what someone filled in)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _drop_empty(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+def _no_default(schema: dict) -> None:
+    # no `"default": null` in the schema: the UI would put null into the form and reject it as not an integer
+    schema.pop("default", None)
+
+
 def partial_model(model: type[BaseModel], name: str, doc: str) -> type[BaseModel]:
-    """`model` with every field optional (None = keep the preset's value), same descriptions."""
+    """`model` with every field optional (None = keep the preset's value), same descriptions. The JSON schema
+    shows the field's own type (None is accepted but hidden), so the UI renders a plain input left empty."""
     fields: dict[str, Any] = {}
     for fname, f in model.model_fields.items():
         default = f.default if f.default is not None and not callable(f.default) else None
         desc = (f.description or "") + (f" (config default: {default})" if default is not None else "")
-        fields[fname] = (Optional[f.annotation], Field(None, description=desc.strip()))
-    m = create_model(name, __config__=ConfigDict(extra="forbid"), __doc__=doc, **fields)
+        fields[fname] = (Union[f.annotation, SkipJsonSchema[None]],
+                         Field(None, description=desc.strip(), json_schema_extra=_no_default))
+    m = create_model(name, __base__=_Partial, __doc__=doc, **fields)
     m.__module__ = __name__
     return m
 

@@ -31,8 +31,8 @@ def _in_parent(cfg, flow_name: str, body, params: dict):
 @flow(name="sft", description="Mixed-domain SFT of a base model.")
 def sft_flow(config: str = "tiny", overrides: list[str] | None = None, name: str | None = None,
              seed: int | None = None, output_dir: str | None = None, base: str | None = None,
-             runtime: RuntimeParams | None = None, sft: SFTParams | None = None,
-             rollout: RolloutParams | None = None, eval: EvalParams | None = None,  # noqa: A002
+             runtime: RuntimeParams = RuntimeParams(), sft: SFTParams = SFTParams(),
+             rollout: RolloutParams = RolloutParams(), eval: EvalParams = EvalParams(),  # noqa: A002
              refresh: bool = False) -> dict:
     """`base`: a model reference; empty = the config's `model.base` (`tiny` is built locally)."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, eval=eval).items()}
@@ -46,8 +46,8 @@ def sft_flow(config: str = "tiny", overrides: list[str] | None = None, name: str
 @flow(name="expert-rl", description="GRPO expert for one domain from an SFT model.")
 def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list[str] | None = None,
                    name: str | None = None, seed: int | None = None, output_dir: str | None = None,
-                   runtime: RuntimeParams | None = None, expert: ExpertParams | None = None,
-                   rollout: RolloutParams | None = None, eval: EvalParams | None = None,  # noqa: A002
+                   runtime: RuntimeParams = RuntimeParams(), expert: ExpertParams = ExpertParams(),
+                   rollout: RolloutParams = RolloutParams(), eval: EvalParams = EvalParams(),  # noqa: A002
                    refresh: bool = False) -> dict:
     """`domain`: one of the recipe's domains; `init`: the SFT model reference."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, expert=expert, rollout=rollout,
@@ -67,7 +67,7 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
       description="Make the experts reachable as teachers and check their tokenizers against the student's.")
 def serve_teachers_flow(teacher_refs: dict[str, str], student: str, config: str = "tiny",
                         overrides: list[str] | None = None, name: str | None = None,
-                        teachers: TeachersParams | None = None) -> dict:
+                        teachers: TeachersParams = TeachersParams()) -> dict:
     """`teacher_refs`: {domain: model reference}; `student`: the student's model reference."""
     cfg, refs, trefs = validate_parameters("serve-teachers", config, overrides,
                                            {"teachers": section_dict(teachers)}, _top(name, None, None),
@@ -81,9 +81,9 @@ def serve_teachers_flow(teacher_refs: dict[str, str], student: str, config: str 
       description="Multi-teacher on-policy distillation of a student (from SFT) with expert teachers.")
 def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", overrides: list[str] | None = None,
               name: str | None = None, seed: int | None = None, output_dir: str | None = None,
-              runtime: RuntimeParams | None = None, mopd: MOPDParams | None = None,
-              teachers: TeachersParams | None = None, rollout: RolloutParams | None = None,
-              eval: EvalParams | None = None, refresh: bool = False) -> dict:  # noqa: A002
+              runtime: RuntimeParams = RuntimeParams(), mopd: MOPDParams = MOPDParams(),
+              teachers: TeachersParams = TeachersParams(), rollout: RolloutParams = RolloutParams(),
+              eval: EvalParams = EvalParams(), refresh: bool = False) -> dict:  # noqa: A002
     """`init`: the student's starting model (usually `models:/<name>-sft@...`); `teacher_refs`:
     {domain: expert model reference}."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, mopd=mopd, teachers=teachers,
@@ -105,8 +105,8 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
 @flow(name="evaluate", description="Held-out per-domain accuracy of any set of models.")
 def evaluate_flow(models: dict[str, str], config: str = "tiny", overrides: list[str] | None = None,
                   name: str | None = None, seed: int | None = None, output_dir: str | None = None,
-                  runtime: RuntimeParams | None = None, rollout: RolloutParams | None = None,
-                  eval: EvalParams | None = None) -> dict:  # noqa: A002
+                  runtime: RuntimeParams = RuntimeParams(), rollout: RolloutParams = RolloutParams(),
+                  eval: EvalParams = EvalParams()) -> dict:  # noqa: A002
     """`models`: {label: model reference}."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, rollout=rollout, eval=eval).items()}
     cfg, refs, _ = validate_parameters("evaluate", config, overrides, sections, _top(name, seed, output_dir),

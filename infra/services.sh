@@ -71,7 +71,10 @@ ENV
 
 case "${1:-}" in
   start)
-    launch prefect-server "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
+    # the UI asks the API at PREFECT_UI_API_URL (default: port 4200 whatever --port says)
+    launch prefect-server env PREFECT_SERVER_API_HOST="$HOST" PREFECT_SERVER_API_PORT="$PREFECT_PORT" \
+      PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
+      "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
     launch mlflow-server "$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" \
       --backend-store-uri "sqlite:///$DIR/mlflow.db" --artifacts-destination "$DIR/mlartifacts" --workers 1
     wait_http "http://$HOST:$PREFECT_PORT/api/health" "${MOPD_START_TIMEOUT:-120}" prefect-server

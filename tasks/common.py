@@ -188,3 +188,23 @@ def adhoc_config(cfg, stage: str, inputs: Mapping[str, Mapping[str, Any]]):
     parameters or inputs never collides with the full recipe's stage folders (and the same one is reused)."""
     key = stage_key(stage, cfg, inputs)
     return cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir) / cfg.name / "stages" / key[-12:])})
+
+
+def experts_concurrently(cfg, requested: bool | None) -> bool:
+    """Whether the expert stages run at the same time (threads of the flow-run process). `None` = auto: yes on
+    an accelerator; on CPU only when each expert is pinned to one thread and there is a core for each — torch's
+    OpenMP threads spin-wait under contention and concurrent multi-threaded experts run many times slower."""
+    import os
+
+    if requested is not None:
+        return requested
+    from mopd_core.runtime import device as devlib
+
+    try:
+        kind = devlib.resolve(cfg.runtime.device).kind
+    except Exception:  # noqa: BLE001 - the stage itself reports a bad device
+        return False
+    if kind != "cpu":
+        return True
+    n = len(cfg.expert.domains or cfg.domain_names())
+    return cfg.runtime.num_threads == 1 and (os.cpu_count() or 1) >= n

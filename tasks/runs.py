@@ -42,7 +42,7 @@ def build_config(config: str, overrides: list[str] | None, sections: Mapping[str
         try:
             config_from_dict(data, source=f"parameter '{name}'")
         except ConfigError as e:
-            raise ParameterError(str(e).replace(f"parameter '{name}': ", f"parameter '{name}': ", 1)) from None
+            raise ParameterError(str(e)) from None
     for k, v in top.items():
         if v is not None:
             data[k] = v

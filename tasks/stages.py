@@ -164,15 +164,12 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
 
 @task(name="serve_teachers", **RETRY)
 def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str | None = None) -> dict:
-    """Make every teacher reachable for scoring and check its tokenizer against the student's. `local`
-    (colocated) backend: the teachers are checkpoint dirs loaded in-process by the mopd stage — no servers."""
+    """Make every teacher reachable for scoring and check its tokenizer against the student's, before any
+    training. `local` (colocated): checkpoint dirs loaded in-process by the mopd stage; `http`: the mopd stage
+    starts the vLLM servers itself (or uses `teachers.endpoints`)."""
     from mopd_core.models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 
-    from .common import ParameterError
-
     logger = get_run_logger()
-    if cfg.teachers.backend != "local":
-        raise ParameterError("teachers.backend: 'http' (vLLM teacher servers) is not available yet; use 'local'")
     run_id = tracking.start_run(cfg.name, "serve-teachers", parent_run_id,
                                 tags={"mopd.stage": "serve-teachers", **_prefect_tags()})
     try:
@@ -193,7 +190,11 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     except BaseException:
         tracking.end_run(run_id, "FAILED")
         raise
-    logger.info("teachers ready (%s, colocated): %s", cfg.teachers.backend, ", ".join(sorted(out)))
+    # backend `http`: the mopd stage starts one vLLM server per teacher (or uses `teachers.endpoints`) for as long
+    # as it trains — servers outlive no stage; this task checks what can be checked before that
+    logger.info("teachers ready (%s%s): %s", cfg.teachers.backend,
+                ", colocated" if cfg.teachers.backend == "local" else ", served by the mopd stage",
+                ", ".join(sorted(out)))
     return out
 
 

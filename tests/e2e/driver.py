@@ -60,6 +60,34 @@ def deployment_runs(name: str) -> list[dict]:
     return [describe_flow_run(str(r.id)) for r in runs]
 
 
+def champion_check(op: dict) -> dict:
+    """The nightly comparison on given accuracies (a champion far better than the student): a flow around the
+    compare_to_champion task, as the full recipe runs it."""
+    from prefect import flow
+
+    from mopd_core import tracking
+    from tasks.runs import build_config, compare_to_champion
+
+    @flow(name="champion-check")
+    def champion_check_flow(accuracy: dict, tolerance: float):
+        cfg = build_config("tiny", op["overrides"], {}, {})
+        parent = tracking.start_run(cfg.name, "champion-check")
+        try:
+            return compare_to_champion(cfg, parent, accuracy, "models:/t-student/2", "models:/t-student/1",
+                                       tolerance, True, "champion")
+        finally:
+            tracking.end_run(parent)
+
+    state = champion_check_flow(op["accuracy"], op["tolerance"], return_state=True)
+    out = {"ok": state.is_completed(), "message": state.message}
+    try:
+        out["result"] = state.result()
+    except BaseException as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["flow_run"] = describe_flow_run(str(state.state_details.flow_run_id))
+    return out
+
+
 def run_flow(op: dict) -> dict:
     import importlib
     import time
@@ -87,6 +115,13 @@ def main() -> int:
                 results.append(run_flow(op))
             elif op["op"] == "deployment_runs":
                 results.append(deployment_runs(op["deployment"]))
+            elif op["op"] == "champion_check":
+                results.append(champion_check(op))
+            elif op["op"] == "deployment_id":
+                from prefect.client.orchestration import get_client
+
+                with get_client(sync_client=True) as c:
+                    results.append(str(c.read_deployment_by_name(op["deployment"]).id))
             elif op["op"] == "flow_run":
                 results.append(describe_flow_run(op["id"]))
             else:

@@ -26,6 +26,7 @@ def isolated_env(tmp: Path, **extra: str) -> dict:
     env.update({
         "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_EXTRA_LOGGERS": "mopd", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "true",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HOME": str(tmp / "hf"),

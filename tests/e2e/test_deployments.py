@@ -219,3 +219,53 @@ def test_sigkill_in_mopd_resumes_from_checkpoint(services, recipe_runs):
     assert [r for r in runs_of(c, "k") if r.info.status == "KILLED"]
     steps = [json.loads(x)["step"] for x in (student / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert steps == list(range(1, 61))
+
+
+BROWSER_DIR = ROOT / "tests/e2e/browser"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
+
+def test_ui_custom_run_of_a_stage_deployment(services, recipe_runs):
+    """Headless Chromium opens the Prefect UI, starts the mopd stage deployment with a custom `steps`, and the
+    run completes; the screenshots are kept under $MOPD_TEST_ARTIFACTS (default test-artifacts/)."""
+    import shutil
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: `make browser-deps` (apt-get install chromium) to run the UI test")
+    if not shutil.which("node") or not (BROWSER_DIR / "node_modules/playwright-core").exists():
+        pytest.skip("no node or playwright-core: `make browser-deps` (npm install in tests/e2e/browser)")
+    # a stage deployment whose defaults point at the first run's models and the short recipe; the UI changes one
+    # field of the `mopd` card
+    import yaml
+
+    spec = {"name": "mopd-ui-test", "pull": [{"prefect.deployments.steps.set_working_directory":
+                                              {"directory": str(ROOT)}}],
+            "deployments": [{"name": "ui", "entrypoint": "flows/stages.py:mopd_flow",
+                             "work_pool": {"name": "mopd-process"},
+                             "parameters": {"overrides": short_overrides(services.tmp / "runs"),
+                                            "init": "models:/t-sft/1",
+                                            "teacher_refs": {d: f"models:/t-expert-{d}/1"
+                                                             for d in ("math", "code", "if")}}}]}
+    pf = services.tmp / "prefect-ui.yaml"
+    pf.write_text(yaml.safe_dump(spec))
+    p = subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--prefect-file", str(pf), "-n",
+                        "ui"], cwd=ROOT, env=services.client_env, text=True, capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    dep_id = drive(services.tmp, [{"op": "deployment_id", "deployment": "mopd/ui"}], services.client_env,
+                   timeout=120, tag="depid")[0]
+    art = Path(os.environ.get("MOPD_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+    art.mkdir(parents=True, exist_ok=True)
+    shot = art / "prefect-ui-custom-run.png"
+    ui = services.api.removesuffix("/api")
+    p = subprocess.run(["node", str(BROWSER_DIR / "custom_run.mjs"), ui, dep_id, "Steps (Optional)", "2", str(shot)],
+                       cwd=BROWSER_DIR, env=services.client_env, text=True, capture_output=True, timeout=660)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert shot.exists()
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    run = drive(services.tmp, [{"op": "flow_run", "id": info["runId"]}], services.client_env, timeout=120,
+                tag="uirun")[0]
+    assert run["state_type"] == "COMPLETED"
+    assert run["parameters"]["mopd"]["steps"] == 2  # the value typed into the form reached the flow
+    c = mlflow_client(services.mlflow)
+    newest = max(c.search_model_versions("name='t-student'"), key=lambda v: int(v.version))
+    assert c.get_run(newest.run_id).data.params["mopd.steps"] == "2"

@@ -109,7 +109,16 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
         {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": ov,
                                                         "mopd": {"steps": -1}}},
     ]
-    res = drive(tmp_path, ops, env, timeout=300)
+    acc = {"student": {"math": {"greedy": 0.50}, "code": {"greedy": 0.61}, "if": {"greedy": 0.70}},
+           "champion": {"math": {"greedy": 0.75}, "code": {"greedy": 0.60}, "if": {"greedy": 0.70}}}
+    ops.append({"op": "champion_check", "overrides": ov, "accuracy": acc, "tolerance": 0.05})
+    res = drive(tmp_path, ops, env, timeout=400)
+    champ = res.pop()
+    # the nightly comparison: a drop beyond the tolerance fails the run, naming domain and delta
+    assert not champ["ok"] and champ["flow_run"]["state_type"] == "FAILED"
+    assert "RegressionError" in champ["error"] and "domain 'math'" in champ["error"]
+    assert "-25.0 points" in champ["error"] and "'code'" not in champ["error"]
+    assert any(a["key"] == "t-champion-deltas" for a in champ["flow_run"]["artifacts"])
     want = ["parameter 'config'", "parameter 'init'", "parameter 'init'", "parameter 'expert.domains'",
             "parameter 'mopd'"]
     for r, w in zip(res, want):
