@@ -93,15 +93,37 @@ def base_model(recipe: RecipeConfig) -> Path | str:
     return build_tiny(recipe.model, recipe.run_dir() / "base", seed=recipe.seed)
 
 
+def sft_fingerprint(recipe: RecipeConfig, base: str | Path) -> str:
+    sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
+    return stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
+                             recipe.rollout.max_new_tokens, recipe.eval, model_ref_id(base))
+
+
+def expert_fingerprint(recipe: RecipeConfig, domain: str, init: str | Path) -> str:
+    from .train.loop import TRAJECTORY_FREE
+
+    cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
+    return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+                             cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, model_ref_id(init))
+
+
+def mopd_fingerprint(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path]) -> str:
+    from .train.loop import TRAJECTORY_FREE
+
+    served = {k: model_ref_id(v) for k, v in sorted(teachers.items())}
+    return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+                             recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
+                             recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
+                             model_ref_id(student_init), recipe.teachers.endpoints or served)
+
+
 def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bool = True) -> StageOutput:
     from .train.sft import run_sft
 
     t0 = time.perf_counter()
     base = base or base_model(recipe)
     domains = build_domains(recipe)
-    sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
-    fp = stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
-                           recipe.rollout.max_new_tokens, recipe.eval, model_ref_id(base))
+    fp = sft_fingerprint(recipe, base)
     res = run_sft(recipe=recipe, base_path=base, domains=domains, stage_dir=recipe.run_dir() / "sft",
                   fingerprint=fp, progress=progress)
     return StageOutput("sft", res.final_dir, recipe.run_dir() / "sft", res.eval, time.perf_counter() - t0,
@@ -110,15 +132,14 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
 
 def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True) -> StageOutput:
     """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting)."""
-    from .train.loop import TRAJECTORY_FREE, run_policy_loop
+    from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
     all_domains = build_domains(recipe)
     if domain not in all_domains:
         raise ValueError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
-    fp = stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                           cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, model_ref_id(init))
+    fp = expert_fingerprint(recipe, domain, init)
     name = f"expert-{domain}"
     res = run_policy_loop(stage=name, loop_cfg=cfg, recipe=recipe, init_path=init,
                           domains={domain: all_domains[domain]}, eval_domains=all_domains,
@@ -167,15 +188,11 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
     its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D. With `teachers.backend: http` the teachers are
     vLLM servers (started here and stopped when the stage ends, also on failure) or `teachers.endpoints`."""
-    from .train.loop import TRAJECTORY_FREE, run_policy_loop
+    from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
     domains = build_domains(recipe)
-    served = {k: model_ref_id(v) for k, v in sorted(teachers.items())}
-    fp = stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                           recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
-                           recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
-                           model_ref_id(student_init), recipe.teachers.endpoints or served)
+    fp = mopd_fingerprint(recipe, student_init, teachers)
     stage_dir = recipe.run_dir() / stage_name
     router, servers = (build_teachers(recipe, teachers, student_init, stage_dir) if recipe.mopd.w_kd > 0
                        else (None, None))
