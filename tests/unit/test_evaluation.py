@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from mopd_core.config import EvalConfig, ModelConfig
 from mopd_core.domains import Example, MathDomain
