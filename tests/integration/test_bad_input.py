@@ -44,7 +44,7 @@ def _jsonl(path: Path, rows):
 def _data_cfg(tmp_path, source: Path, extra=()):
     return load_config("tiny", tiny_overrides(tmp_path / "out") + [
         f"data.domains=[{{name: math, source: '{source}'}}, {{name: code, source: '{source}'}}]",
-        "sft.mix=null", *extra])
+        "sft.mix=null", "mopd.mix=null", *extra])
 
 
 def _rows(n=20, tid="math"):
@@ -77,7 +77,7 @@ def test_empty_dataset_or_missing_column(tmp_path, rows, needle):
 
 def test_cli_missing_dataset_file_is_one_line(tmp_path):
     p = _cli("recipe", "--set", f"output_dir={tmp_path}",
-             "--set", f"data.domains=[{{name: math, source: {tmp_path}/nope.parquet}}]", "--set", "sft.mix=null")
+             "--set", f"data.domains=[{{name: math, source: {tmp_path}/nope.parquet}}]", "--set", "sft.mix=null", "--set", "mopd.mix=null")
     _one_line_error(p, "nope.parquet")
 
 

@@ -28,7 +28,7 @@ def _rows(p: Path):
 
 def test_mopd_through_vllm_servers_equals_local_teachers(tmp_path):
     two = ["data.domains=[{name: math, source: 'synthetic:math', eval_size: 8}, "
-           "{name: if, source: 'synthetic:if', eval_size: 8}]", "sft.mix=null", "mopd.steps=2",
+           "{name: if, source: 'synthetic:if', eval_size: 8}]", "sft.mix=null", "mopd.mix=null", "mopd.steps=2",
            f"teachers.serve_python={VLLM_PY}"]
     local = load_config("tiny", tiny_overrides(tmp_path / "local") + two)
     R.setup_runtime(local)
