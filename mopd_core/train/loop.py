@@ -225,6 +225,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
                                loop_cfg.eval_size)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
+    # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
     save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
     info = read_stage(stage_dir) or {}
     info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
