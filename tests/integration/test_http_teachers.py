@@ -95,11 +95,9 @@ def servers(world):
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    from mopd_core.teachers.serving import _alive_group  # the same check the server supervisor uses
+
+    return _alive_group(pgid)
 
 
 def _cfg(**kw):
