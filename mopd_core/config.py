@@ -39,6 +39,10 @@ class RuntimeConfig(_Model):
         None, ge=1, description="torch intra-op CPU threads; None = all cores. Use 1 on a busy machine "
         "(OpenMP threads spin-wait and slow down under contention).")
     deterministic: bool = Field(True, description="Ask torch for deterministic algorithms where available.")
+    memory_limit_gib: float | None = Field(
+        None, gt=0, description="Device memory the colocated phases may use (checked before any compute: train = "
+        "weights + grads + optimizer state; score = student + one teacher, or all teachers without "
+        "teachers.offload); None = the device's total (host RAM on cpu).")
 
 
 class TinyModelConfig(_Model):

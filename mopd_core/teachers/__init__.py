@@ -8,6 +8,8 @@ completion token (and optionally its top-k), on the batch's device. `local` keep
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,23 +37,40 @@ class LocalTeacher:
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None):
         self.name, self.path, self.device = name, str(path), torch.device(device)
-        self.offload = offload and self.device.type != "cpu"
+        # `offload` is kept as asked even on CPU (where moving weights is a no-op) so residency bookkeeping — at
+        # most one teacher loaded at a time in colocated placement — is the same on every device
+        self.offload = offload
         self.temperature, self.batch_size = temperature, batch_size
         self.tokenizer = load_tokenizer(path)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.model = load_model(path, "cpu" if self.offload else self.device, dtype).eval()
+        self._moves = self.offload and self.device.type != "cpu"
+        self.model = load_model(path, "cpu" if self._moves else self.device, dtype).eval()
         self.model.requires_grad_(False)
+        self._loaded = not self.offload
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0}
 
     @property
     def resident(self) -> bool:
-        return next(self.model.parameters()).device.type == self.device.type
+        """Whether the weights occupy the scoring device now (always, without offload)."""
+        return self._loaded
+
+    def load(self) -> None:
+        if not self._loaded:
+            if self._moves:
+                self.model.to(self.device)
+            self._loaded = True
+
+    def unload(self) -> None:
+        if self.offload and self._loaded:
+            if self._moves:
+                self.model.to("cpu")
+            self._loaded = False
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
         t0 = time.perf_counter()
-        if self.offload:
-            self.model.to(self.device)
+        self.load()
         try:
             if top_k:
                 logp, full = completion_logprobs(self.model, batch, self.temperature, full=True,
@@ -62,8 +81,7 @@ class LocalTeacher:
                 out = TeacherScore(completion_logprobs(self.model, batch, self.temperature,
                                                        micro_batch_size=self.batch_size))
         finally:
-            if self.offload:
-                self.model.to("cpu")
+            self.unload()
         self.stats["seconds"] += time.perf_counter() - t0
         self.stats["tokens"] += int(batch.completion_mask.sum())
         self.stats["calls"] += 1
@@ -120,7 +138,24 @@ class TeacherRouter:
         w = torch.tensor(rows, dtype=torch.float32, device=device).reshape(len(teacher_ids), K)
         return w
 
-    def score(self, batch: RolloutBatch, top_k: int = 0) -> RoutedScore:
+    def _score_all(self, jobs: list[tuple[str, RolloutBatch]], top_k: int, visit) -> list[TeacherScore]:
+        """Score each (teacher, rows) job. In-process teachers go one after another, each inside `visit(name)`
+        (the colocated phase scheduler loads one teacher at a time); remote (http) teachers are independent
+        servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one."""
+        local = [n for n, _ in jobs if isinstance(self.teachers[n], LocalTeacher)]
+        if len(jobs) > 1 and not local:
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="router") as ex:
+                futs = [ex.submit(self.teachers[n].score, b, top_k) for n, b in jobs]
+                return [f.result() for f in futs]  # every future finishes before the pool exits
+        out = []
+        for n, b in jobs:
+            with (visit(n) if visit is not None else nullcontext()):
+                out.append(self.teachers[n].score(b, top_k))
+        return out
+
+    def score(self, batch: RolloutBatch, top_k: int = 0, visit=None) -> RoutedScore:
+        """ℓᵀ for every completion token. `visit(teacher_name)` is an optional context manager entered around each
+        in-process teacher's turn (phase scheduling, memory accounting)."""
         t0 = time.perf_counter()
         tids = [e.teacher_id for e in batch.examples]
         dev = batch.completion_ids.device
@@ -131,11 +166,13 @@ class TeacherRouter:
             tk_ids = torch.zeros(B, T, top_k, dtype=torch.long, device=dev) if top_k else None
             tk_lp = torch.zeros(B, T, top_k, device=dev) if top_k else None
             per = {}
+            jobs, job_rows = [], []
             for k, name in enumerate(self.names):
                 rows = (index == k).nonzero().squeeze(-1)
-                if rows.numel() == 0:
-                    continue
-                s = self.teachers[name].score(batch.select(rows), top_k)
+                if rows.numel():
+                    jobs.append((name, batch.select(rows)))
+                    job_rows.append(rows)
+            for (name, _), rows, s in zip(jobs, job_rows, self._score_all(jobs, top_k, visit)):
                 logp[rows] = s.logp.to(dev)
                 per[name] = (rows, s.logp.to(dev))
                 if top_k:
@@ -143,7 +180,8 @@ class TeacherRouter:
             return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per)
         if top_k:
             raise TeacherError("top-k scores (mopd.kd_loss=jsd) need teachers.routing=domain")
-        scores = torch.stack([self.teachers[n].score(batch).logp.to(dev) for n in self.names])  # [K,B,T]
+        scored = self._score_all([(n, batch) for n in self.names], 0, visit)
+        scores = torch.stack([s.logp.to(dev) for s in scored])  # [K,B,T]
         w = self._weights(tids, dev)
         mixed = mix_teacher_logprobs(scores, w, self.mixture_kind)
         mixed = torch.where(batch.completion_mask.bool(), mixed, torch.zeros_like(mixed))

@@ -11,6 +11,7 @@ so a resumed run replays exactly the steps an uninterrupted one would have taken
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -27,10 +28,13 @@ from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import HFRollout, RolloutBatch, completion_logprobs
 from ..runtime import device as devlib
+from ..runtime.phases import PhaseScheduler, check_colocated_fit
 from .checkpoint import (StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage,
                          save_checkpoint, write_stage)
 from .progress import StageProgress
 
+
+log = logging.getLogger("mopd")
 
 # Settings that do not change the trajectory of the steps already taken: left out of the stage fingerprint so
 # that raising `steps` continues a finished stage from its last checkpoint instead of starting over.
@@ -127,8 +131,17 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         if st.get("scheduler"):
             sched.load_state_dict(st["scheduler"])
     engine = HFRollout(model, tokenizer, device, recipe.data.max_prompt_tokens)
+    in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
+                  if hasattr(t, "param_bytes")}
+    check_colocated_fit(kind=dinfo.kind, limit_gib=recipe.runtime.memory_limit_gib,
+                        student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                        optimizer_factor=2.0, teacher_bytes=in_process,
+                        teachers_offload=recipe.teachers.offload, placement=recipe.runtime.placement)
+    phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt, engine=engine, teachers=teachers,
+                            placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
     metrics_path = stage_dir / "metrics.jsonl"
     _truncate_metrics(metrics_path, start)
+    _truncate_metrics(phases.events_path, start)
     eval_cfg = recipe.eval
     max_new = recipe.rollout.max_new_tokens
     eval_new = eval_cfg.max_new_tokens or max_new
@@ -145,16 +158,20 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
             examples = [e for e in prompts for _ in range(G)]
             gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
+            phases.begin_step(step + 1)
 
             t0 = time.perf_counter()
-            batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
-                                    top_p=recipe.rollout.top_p, generator=gen, batch_size=recipe.rollout.batch_size)
+            with phases.rollout():
+                batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
+                                        top_p=recipe.rollout.top_p, generator=gen,
+                                        batch_size=recipe.rollout.batch_size)
             t_roll = time.perf_counter() - t0
             rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
             mask = batch.completion_mask.float()
 
             t0 = time.perf_counter()
-            routed = teachers.score(batch, top_k=top_k) if teachers is not None else None
+            stats_before = teachers.stats() if teachers is not None else {}
+            routed = teachers.score(batch, top_k=top_k, visit=phases.teacher) if teachers is not None else None
             t_score = time.perf_counter() - t0
 
             adv = torch.zeros_like(mask)
@@ -171,8 +188,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
 
             t0 = time.perf_counter()
-            upd = _update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
-                          recipe.rollout.temperature, rng)
+            with phases.train():
+                upd = _update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
+                              recipe.rollout.temperature, rng)
             t_train = time.perf_counter() - t0
             if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
                 last = checkpoint_dirs(stage_dir)
@@ -191,6 +209,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
             if routed is not None:
                 m.update(_teacher_metrics(routed, batch, mask))
+                m.update(_teacher_stat_deltas(stats_before, teachers.stats()))
                 m["perf/score_s"] = t_score
                 m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
                                                         else 1) / max(t_score, 1e-9)
@@ -202,6 +221,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                       "perf/train_tokens_per_s": seq_tok * loop_cfg.minibatches / max(t_train, 1e-9),
                       "lr": sched.get_last_lr()[0]})
             m.update(devlib.memory_stats(dinfo.kind))
+            m.update(phases.end_step())
 
             done = step + 1
             if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
@@ -221,7 +241,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 save_checkpoint(stage_dir, done, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
     finally:
         bar.close()
+        phases.restore()
 
+    log.info("%s: %s", stage, phases.summary())
     last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
                                loop_cfg.eval_size)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
@@ -229,7 +251,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
     info = read_stage(stage_dir) or {}
     info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
-                 "teacher_stats": teachers.stats() if teachers is not None else {}})
+                 "teacher_stats": teachers.stats() if teachers is not None else {},
+                 "placement": {"mode": recipe.runtime.placement,
+                               "max_teachers_resident": phases.max_teachers_resident}})
     write_stage(stage_dir, info)
     return LoopResult(final_dir, last_eval, history, start, stage_dir)
 
@@ -243,6 +267,21 @@ def _rewards(domains, batch: RolloutBatch) -> list[float]:
         rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows])
         for i, r in zip(rows, rs):
             out[i] = float(r)
+    return out
+
+
+_STAT_METRICS = (("seconds", "score_s"), ("tokens", "tokens"), ("requests", "requests"), ("retries", "retries"),
+                 ("restarts", "restarts"))
+
+
+def _teacher_stat_deltas(before: dict, after: dict) -> dict[str, float]:
+    """teacher/<t>/{score_s,tokens,requests,retries,restarts}: this step's share of each teacher's counters."""
+    out = {}
+    for t, st in after.items():
+        b = before.get(t, {})
+        for key, name in _STAT_METRICS:
+            if key in st:
+                out[f"teacher/{t}/{name}"] = float(st[key] - b.get(key, 0))
     return out
 
 

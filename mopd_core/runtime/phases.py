@@ -1,0 +1,240 @@
+"""Phase scheduling for `runtime.placement: colocated` — trainer, rollout engine and teachers take turns on the
+same devices (AReaL-Ascend / verl "hybrid engine" style):
+
+    rollout: engine wakes (weights handed over) → generate → engine sleeps
+    score:   each in-process teacher in turn is loaded → scores → is offloaded (never two at once)
+    train:   optimizer state back on the device → update → optimizer state and gradients offloaded
+
+Two memory views are kept per phase:
+- `resident_mb`: what this scheduler knows it holds on the compute device — student weights, gradients,
+  optimizer state and loaded teachers — counted from tensor sizes. Deterministic on every device (on CPU,
+  where offloading moves nothing, it is the bookkeeping the same run would have on an accelerator).
+- the device layer's measured memory (`device_allocated_mb`/peak on cuda/npu, host RSS on cpu).
+
+`disaggregated` placement runs the same phases without offloading (the devices are not shared).
+Every phase event goes to `phases.jsonl` in the stage dir; per-step maxima go to the step metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from . import device as devlib
+
+log = logging.getLogger("mopd")
+
+MB = 2**20
+
+
+class ColocationError(ValueError):
+    """The colocated phases cannot fit the device memory budget; one line naming the phase and the fix."""
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(st.values()) for st in opt.state.values())
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    # `step` counters stay where they are (AdamW keeps them on CPU unless capturable); only moments move
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != device:
+                st[k] = v.to(device, non_blocking=True)
+
+
+def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
+    """The memory the colocated phases may use: `runtime.memory_limit_gib` when set, else the device's total."""
+    if limit_gib is not None:
+        return float(limit_gib) * 1024
+    return _device_total_mb(kind)
+
+
+def _device_total_mb(kind: str) -> float | None:
+    mod = devlib._module(kind)
+    if mod is not None:
+        return mod.mem_get_info()[1] / MB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
+                        teacher_bytes: dict[str, int], teachers_offload: bool, placement: str) -> dict[str, float]:
+    """Pre-flight (before any compute): the largest phase must fit the budget. Returns the phase needs (MiB).
+
+    train = weights + gradients + optimizer state (AdamW: 2 moments → factor 2); score = student weights + one
+    teacher (offloaded teachers) or all of them (`teachers.offload: false` keeps every teacher resident)."""
+    w = student_bytes / MB
+    need = {"train": w * (2 + optimizer_factor), "rollout": w}
+    if teacher_bytes:
+        tb = {n: b / MB for n, b in teacher_bytes.items()}
+        if teachers_offload and placement == "colocated":
+            big = max(tb, key=tb.get)
+            need[f"score ({big})"] = w + tb[big]
+        else:  # every teacher stays loaded next to the student
+            resident = sum(tb.values())
+            need = {k: v + resident for k, v in need.items()}
+            need["score (all teachers)"] = w + resident
+    budget = device_budget_mb(kind, limit_gib)
+    if budget is not None:
+        phase = max(need, key=need.get)
+        if need[phase] > budget:
+            n_t = len(teacher_bytes)
+            raise ColocationError(
+                f"runtime.placement={placement}: phase '{phase}' needs {need[phase] / 1024:.3g} GiB but the "
+                f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) with {n_t} teacher(s)"
+                + ("" if teachers_offload else " all resident (teachers.offload=false)")
+                + " — set teachers.offload=true, use fewer/smaller teachers, or serve them elsewhere "
+                  "(runtime.placement=disaggregated, teachers.backend=http)")
+    return need
+
+
+class PhaseScheduler:
+    """Runs the loop's phases, offloading what the next phase does not need (colocated) and recording memory.
+
+    `model`/`opt`: the trainer's; `engine`: the rollout engine (`sleep`/`wake`/`sync_weights` when it holds its own
+    copy of the weights — the HF engine samples from the trainer's module and needs none of it)."""
+
+    def __init__(self, *, kind: str, device: torch.device, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 engine=None, teachers=None, placement: str = "colocated", events_path: str | Path | None = None):
+        self.kind, self.device = kind, torch.device(device)
+        self.model, self.opt, self.engine = model, opt, engine
+        self.teachers = teachers
+        self.colocated = placement == "colocated"
+        self.placement = placement
+        self.events_path = Path(events_path) if events_path else None
+        self.step = 0
+        self.opt_on_device = True
+        self.max_teachers_resident = 0
+        self._step_metrics: dict[str, float] = {}
+        self._events: list[dict] = []
+        self.param_bytes = tensor_bytes(model.parameters())
+
+    # -- accounting ------------------------------------------------------------------------------------------
+    def _loaded_teachers(self) -> list[str]:
+        if self.teachers is None:
+            return []
+        return [n for n, t in self.teachers.teachers.items() if getattr(t, "resident", False)
+                and hasattr(t, "param_bytes")]
+
+    def resident(self) -> dict[str, float]:
+        """MiB this process holds on the compute device, by owner."""
+        grads = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+        loaded = self._loaded_teachers()
+        t_bytes = sum(self.teachers.teachers[n].param_bytes for n in loaded) if loaded else 0
+        out = {"weights": self.param_bytes / MB, "grads": grads / MB,
+               "optim": optimizer_bytes(self.opt) / MB if self.opt_on_device else 0.0, "teachers": t_bytes / MB}
+        out["total"] = sum(out.values())
+        return out
+
+    def _record(self, phase: str, where: str, teacher: str | None = None) -> None:
+        res = self.resident()
+        loaded = self._loaded_teachers()
+        self.max_teachers_resident = max(self.max_teachers_resident, len(loaded))
+        measured = devlib.memory_stats(self.kind)
+        ev = {"step": self.step, "phase": phase, "at": where, "resident_mb": round(res["total"], 4),
+              "teachers_resident": loaded, **({"teacher": teacher} if teacher else {}),
+              **{f"{k}_mb": round(v, 4) for k, v in res.items() if k != "total"},
+              **{k.split("/", 1)[1]: round(v, 2) for k, v in measured.items()}}
+        self._events.append(ev)
+        key = f"mem/{phase}/resident_mb"
+        self._step_metrics[key] = max(self._step_metrics.get(key, 0.0), res["total"])
+        dkey = "mem/device_allocated_mb" if "mem/device_allocated_mb" in measured else "mem/host_rss_mb"
+        mkey = f"mem/{phase}/{dkey.split('/', 1)[1]}"
+        self._step_metrics[mkey] = max(self._step_metrics.get(mkey, 0.0), measured[dkey])
+
+    @contextmanager
+    def phase(self, name: str, teacher: str | None = None):
+        self._record(name, "start", teacher)
+        try:
+            yield
+        finally:
+            self._record(name, "end", teacher)
+
+    # -- the phases ------------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._step_metrics = {}
+
+    @contextmanager
+    def rollout(self):
+        with self.phase("rollout"):
+            if self.engine is not None:
+                wake = getattr(self.engine, "wake", None)
+                if wake:
+                    wake()
+                sync = getattr(self.engine, "sync_weights", None)
+                if sync:
+                    t0 = time.perf_counter()
+                    rep = sync(self.model)
+                    self._step_metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+                    if isinstance(rep, dict) and "bytes_copied" in rep:
+                        self._step_metrics["weights/bytes_copied"] = float(rep["bytes_copied"])
+            try:
+                yield
+            finally:
+                sleep = getattr(self.engine, "sleep", None) if self.engine is not None else None
+                if sleep and self.colocated:
+                    sleep()
+
+    @contextmanager
+    def teacher(self, name: str):
+        """One teacher's turn (entered by the router around each in-process teacher): it is loaded first, so the
+        start record shows it resident next to the student; it unloads itself when it has scored."""
+        t = self.teachers.teachers[name] if self.teachers is not None else None
+        if t is not None and hasattr(t, "load"):
+            t.load()
+        with self.phase("score", teacher=name):
+            yield
+        loaded = self._loaded_teachers()
+        if self.colocated and len(loaded) > 1:  # a teacher kept its weights: the memory plan no longer holds
+            log.warning("colocated: %d teachers resident at once (%s) — teachers.offload is off?", len(loaded),
+                        ", ".join(loaded))
+
+    @contextmanager
+    def train(self):
+        self.restore()  # before the start record: it shows what the update really holds
+        with self.phase("train"):
+            yield
+            self._record("train", "updated")  # the phase's peak: weights + gradients + optimizer state
+            if self.colocated:  # the next phases need neither: give the memory to the rollout engine/teachers
+                self.model.zero_grad(set_to_none=True)
+                _move_optimizer_state(self.opt, torch.device("cpu"))
+                self.opt_on_device = False
+                devlib.empty_cache(self.kind)
+
+    def restore(self) -> None:
+        """Put the optimizer state back on the device (before checkpointing or at the end of the stage)."""
+        if not self.opt_on_device:
+            _move_optimizer_state(self.opt, self.device)
+            self.opt_on_device = True
+
+    def end_step(self) -> dict[str, float]:
+        """This step's phase metrics; the events go to `phases.jsonl`."""
+        if self.events_path is not None and self._events:
+            with open(self.events_path, "a") as f:
+                for ev in self._events:
+                    f.write(json.dumps(ev) + "\n")
+        self._events = []
+        out = dict(self._step_metrics)
+        out["colocated/max_teachers_resident"] = float(self.max_teachers_resident)
+        return out
+
+    def summary(self) -> str:
+        return (f"{self.placement}: at most {self.max_teachers_resident} teacher(s) resident at once; "
+                f"student weights {self.param_bytes / MB:.3g} MiB")
