@@ -214,9 +214,11 @@ class HttpTeacher:
                 if sup is None or not sup.is_dead(self.name):
                     raise
                 if attempt >= self.restarts:
-                    raise TeacherUnavailable(
-                        f"teacher '{self.name}' server died and {self.restarts} restart(s) are spent "
-                        f"(teachers.restarts={self.restarts}): {e}") from None
+                    log_of = getattr(sup, "log_of", None)
+                    where = f"; log: {log_of(self.name)}" if log_of is not None and log_of(self.name) else ""
+                    spent = (f"its {self.restarts} restart(s) are spent" if self.restarts
+                             else "no restart is allowed")
+                    raise TeacherUnavailable(f"{e}; {spent} (teachers.restarts={self.restarts}{where})") from None
                 attempt += 1
                 self.url = sup.restart(self.name).rstrip("/")
                 with self._lock:

@@ -302,6 +302,10 @@ class TeacherServers:
         s = self.servers.get(teacher_id)
         return s.url if s is not None else None
 
+    def log_of(self, teacher_id: str) -> str | None:
+        s = self.servers.get(teacher_id)
+        return str(s.log) if s is not None else None
+
     def is_dead(self, teacher_id: str) -> bool:
         s = self.servers.get(teacher_id)
         return bool(s is not None and not self._stopped and s.dead())
