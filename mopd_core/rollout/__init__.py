@@ -182,6 +182,22 @@ class HFRollout:
             self.model.train(was_training)
         return concat_batches(parts, self.tokenizer.pad_token_id)
 
+    def sleep(self, level: int | None = None) -> None:
+        """No-op: this engine holds no memory of its own (it samples from the trainer's module)."""
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """No-op (see `sleep`)."""
+
+    def sync_weights(self, model=None) -> dict:
+        """The identity hand-over: the engine samples from the trainer's module, so nothing moves (0 bytes).
+        A different module passed here becomes the one sampled from."""
+        if model is not None:
+            self.model = model
+        params = list(self.model.parameters())
+        return {"transport": "identity", "tensors": len(params),
+                "bytes_total": sum(p.numel() * p.element_size() for p in params), "bytes_copied": 0,
+                "bytes_packed": 0, "messages": 0, "rpc_calls": 0, "load_method": "none", "seconds": 0.0}
+
 
 def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     if len(parts) == 1:

@@ -1,8 +1,16 @@
 """The one place that knows how cpu, cuda and npu differ.
 
+| kind | torch.distributed | visible-devices env | device memory | hand a tensor to another process |
+|---|---|---|---|---|
+| cpu  | gloo | — | host RSS only | (shared memory) |
+| cuda | nccl | `CUDA_VISIBLE_DEVICES` | `torch.cuda.*` | CUDA IPC handles (0 bytes copied) |
+| npu  | hccl | `ASCEND_RT_VISIBLE_DEVICES` | `torch.npu.*` (mirrors torch.cuda) | no IPC: host shared memory (AReaL-Ascend) |
+
 `torch_npu` is imported only when the package is present and imports cleanly: on machines without Ascend CANN
 it fails (libhccl.so missing), and once installed it breaks plain `import torch` unless
 `TORCH_DEVICE_BACKEND_AUTOLOAD=0` — so we set that before probing and never let a broken install escape.
+Everything else here goes through `device_module(kind)` (`torch.cuda` / `torch.npu`), so the npu path is the
+cuda path with another module — which is also how the CPU tests check it (a fake `torch_npu` in `sys.modules`).
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,10 +27,19 @@ import torch
 DeviceKind = str  # "cpu" | "cuda" | "npu"
 
 
+def _torch_npu_present() -> bool:
+    if "torch_npu" in sys.modules:  # already imported (or injected by a test)
+        return sys.modules["torch_npu"] is not None
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @lru_cache(maxsize=1)
 def npu_available() -> bool:
     """True only when torch_npu imports and reports a device; never raises."""
-    if importlib.util.find_spec("torch_npu") is None:
+    if not _torch_npu_present():
         return False
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     try:
@@ -55,6 +73,13 @@ _INFO = {
 }
 
 
+def _info(kind: str) -> DeviceInfo:
+    k = kind_of(kind)
+    if k not in _INFO:
+        raise ValueError(f"runtime.device='{kind}' is not one of auto, cpu, cuda, npu")
+    return _INFO[k]
+
+
 def resolve(kind: str = "auto") -> DeviceInfo:
     """`auto` picks npu, then cuda, then cpu. Asking for a missing device is a one-line error."""
     if kind == "auto":
@@ -69,6 +94,37 @@ def resolve(kind: str = "auto") -> DeviceInfo:
     return _INFO[kind]
 
 
+def kind_of(device: torch.device | str) -> DeviceKind:
+    """`"cuda:1"`, `torch.device("npu", 0)`, `"cpu"` → `"cuda"` / `"npu"` / `"cpu"` (no torch_npu needed)."""
+    s = str(device)
+    return s.split(":", 1)[0]
+
+
+def dist_backend(kind: str) -> str:
+    """torch.distributed backend: gloo (cpu), nccl (cuda), hccl (npu; registered by torch_npu)."""
+    return _info(kind).dist_backend
+
+
+def visible_devices_env(kind: str) -> str | None:
+    """The env var that restricts which devices a child process sees: CUDA_VISIBLE_DEVICES /
+    ASCEND_RT_VISIBLE_DEVICES; None on cpu."""
+    return _info(kind).visible_devices_env
+
+
+def ipc_supported(kind: str) -> bool:
+    """Can a device tensor be handed to another process without a host copy? cuda: yes (CUDA IPC); npu: no —
+    hand-overs go through host shared memory (`weights.SharedMemoryTransport`), as AReaL-Ascend does."""
+    return _info(kind).supports_ipc
+
+
+def handover_transport(kind: str, same_process: bool) -> str:
+    """The `mopd_core.weights` transport for a colocated trainer → rollout-engine hand-over: `inprocess` when
+    both live in one process (zero-copy), else `cuda_ipc` where the device has IPC, else `shared_memory`."""
+    if same_process:
+        return "inprocess"
+    return "cuda_ipc" if ipc_supported(kind) else "shared_memory"
+
+
 def current_index(kind: str) -> int:
     if kind == "cuda":
         return torch.cuda.current_device()
@@ -79,6 +135,11 @@ def current_index(kind: str) -> int:
 
 def _module(kind: str):
     return getattr(torch, kind, None) if kind != "cpu" else None
+
+
+def device_module(kind: str):
+    """`torch.cuda` / `torch.npu` (present once torch_npu is imported); None on cpu."""
+    return _module(kind)
 
 
 def synchronize(kind: str) -> None:
@@ -107,7 +168,8 @@ def peak_rss_mb() -> float:
 
 
 def memory_stats(kind: str) -> dict[str, float]:
-    """Memory in MiB: host RSS always; allocated/reserved/peak device memory on cuda and npu."""
+    """Memory in MiB: host RSS always; allocated/reserved/peak device memory on cuda and npu
+    (`torch.cuda.*` / `torch.npu.*`: memory_allocated, memory_reserved, max_memory_allocated)."""
     out = {"mem/host_rss_mb": host_rss_mb(), "mem/host_peak_rss_mb": peak_rss_mb()}
     mod = _module(kind)
     if mod is not None:
@@ -117,10 +179,69 @@ def memory_stats(kind: str) -> dict[str, float]:
     return out
 
 
+def reset_peak_memory_stats(kind: str) -> None:
+    """Start a new peak window (`mem/device_peak_mb`) on cuda/npu; no-op on cpu."""
+    mod = _module(kind)
+    if mod is not None:
+        mod.reset_peak_memory_stats()
+
+
+def mem_get_info(kind: str) -> tuple[int, int]:
+    """(free, total) bytes of the device as the driver sees it — includes memory held by other allocators in
+    this process (a vLLM engine's weights and KV cache live outside torch's caching allocator, so its sleep/wake
+    shows here and not in `memory_allocated`). On cpu: host MemAvailable / MemTotal."""
+    mod = _module(kind)
+    if mod is not None:
+        free, total = mod.mem_get_info()
+        return int(free), int(total)
+    vals = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                vals[k] = int(v.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return vals.get("MemAvailable", 0), vals.get("MemTotal", 0)
+
+
 def set_visible_devices(kind: str, ids: list[int]) -> dict[str, str]:
     """Env to restrict a child process to `ids` (for servers and Ray workers)."""
     var = _INFO[kind].visible_devices_env
     return {var: ",".join(map(str, ids))} if var else {}
+
+
+def offload_module(module: torch.nn.Module, device: torch.device | str = "cpu", kind: str | None = None,
+                   non_blocking: bool = False) -> int:
+    """Move a module's parameters and buffers to `device` (e.g. off the accelerator between phases) and give
+    the cached blocks back to the device when it left one. Returns the bytes moved."""
+    moved = 0
+    target = torch.device(device)
+    src_kinds = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device != target:
+            moved += t.numel() * t.element_size()
+            src_kinds.add(t.device.type)
+    module.to(target, non_blocking=non_blocking)
+    for k in src_kinds | ({kind} if kind else set()):
+        if k != "cpu" and k != target.type:
+            synchronize(k)
+            empty_cache(k)
+    return moved
+
+
+def offload_optimizer(opt: torch.optim.Optimizer, device: torch.device | str = "cpu",
+                      non_blocking: bool = False) -> int:
+    """Move an optimizer's state tensors (AdamW moments) to `device`; 0-dim `step` counters stay put. Returns
+    the bytes moved; call `empty_cache(kind)` afterwards to give the memory to another engine."""
+    target = torch.device(device)
+    moved = 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != target:
+                moved += v.numel() * v.element_size()
+                st[k] = v.to(target, non_blocking=non_blocking)
+    return moved
 
 
 def configure_threads(num_threads: int | None) -> None:

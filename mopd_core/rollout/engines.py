@@ -1,0 +1,431 @@
+"""Rollout engines behind one interface (`rollout.backend`), and `build_rollout` that picks one.
+
+Every engine offers
+
+    generate(examples, *, max_new_tokens, temperature, top_p, greedy, generator, batch_size) -> RolloutBatch
+    sync_weights(model) -> dict     # hand the trainer's current weights to the engine; a transfer report
+    sleep() / wake()                # give the device memory back between rollouts / take it again
+
+| backend | engine | weights | sleep / wake |
+|---|---|---|---|
+| `hf` | `HFRollout`: transformers forward with a KV cache, any device | samples from the trainer's own module: `sync_weights` is the identity (0 bytes) | no-ops |
+| `vllm` | `VllmRollout`: an in-process `vllm.LLM` (CUDA; Ascend through vllm-ascend, same API) | its own copy, refreshed by `sync_weights` through `mopd_core.weights` + the engine's `load_weights` | `LLM.sleep(level)` / `LLM.wake_up(tags)` (`enable_sleep_mode`) |
+
+Both return the same `RolloutBatch` layout (prompts left-padded by `encode_prompts`, completions right-padded,
+EOS inside the mask) and behaviour log-probs of the sampled tokens at the sampling temperature, so the loop,
+the teachers and the losses cannot tell them apart.
+
+**vLLM specifics** (read with TRL `trl/generation/vllm_generation.py` colocate mode and verl's
+`vllm_rollout_spmd`, which do the same):
+- Behaviour log-probs are vLLM's per-token logprob of the sampled token (`SamplingParams(logprobs=0)`) with
+  `logprobs_mode="processed_logprobs"`: after temperature scaling — the same `log_softmax(logits / T)` as
+  `HFRollout`/`completion_logprobs` when `top_p = 1`. With `top_p < 1` vLLM reports the log-prob under the
+  truncated, renormalised distribution it sampled from, while `hf` reports the untruncated one (the two differ
+  by `log(mass kept)`, ≥ 0). With `greedy` vLLM reports the untempered log-softmax.
+- **RNG**: `hf` draws every token from the one `generator` (so a sample depends on its batch neighbours);
+  `vllm` draws one seed per request from `generator` (`SamplingParams(seed=…)`, in example order) and vLLM
+  samples each request from its own seeded stream. Each backend is reproducible for a given generator state and
+  independent of `batch_size` for vLLM, but the two backends never produce the same samples for one seed.
+- `batch_size` is accepted for interface parity and ignored: vLLM schedules all requests itself within its
+  preallocated KV cache.
+- Weight hand-over, `engine_process`:
+  - `inprocess` (default; `VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's engine core and worker live in this
+    process, as TRL's colocate mode): `InProcessTransport` hands the trainer's tensors over as they are
+    (0 bytes copied by the transport) and the worker's `load_weights` copies them into the engine's
+    parameters (fusing q/k/v and gate/up on the way) — the one unavoidable copy.
+  - `separate` (vLLM's engine core in its own process): the weights are packed bucket by bucket
+    (`weights.plan_buckets`, at most one extra bucket of device memory at a time) and handed over by
+    `CudaIpcTransport` on CUDA (one IPC handle per bucket, 0 bytes copied) or `SharedMemoryTransport` on
+    NPU, where device IPC is missing (AReaL-Ascend's path: device → `/dev/shm` → device). The worker-side
+    function travels through `LLM.collective_rpc`, which needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (set
+    here) to pickle a callable; the hand-over message (IPC handles / segment paths + layouts) is pickled by us
+    and travels as bytes, so vLLM's msgpack channel cannot reshape it.
+  - Loading: `model.load_weights(weights)`; where a backend repacks its linear weights after loading (vLLM's
+    CPU backend: "'Parameter' object has no attribute 'weight_loader'") the worker falls back to vLLM's
+    in-place `reload_weights(weights_iterator=…)`. The prefix cache is reset after every hand-over (cached KV
+    blocks were computed with the old weights).
+- Sleep: level 1 (default) offloads the weights to host memory and drops the KV cache, so a `wake` without a
+  `sync_weights` still samples from the right weights; level 2 drops the weights too — cheaper when every wake
+  is followed by a hand-over (the loop's case). After a level-2 sleep the next `generate` syncs from the
+  trainer's module first. `sync_weights` wakes the weights only (TRL: writing into slept, unmapped memory
+  crashes on Ascend), `generate` wakes the rest.
+- The engine takes the process's first visible device (restrict it with `CUDA_VISIBLE_DEVICES` /
+  `ASCEND_RT_VISIBLE_DEVICES`); in-process, vLLM initialises a one-rank torch.distributed group in this
+  process, so a multi-rank trainer uses `engine_process="separate"` (or vLLM's `external_launcher`).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import pickle
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ..runtime import device as devlib
+from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
+from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
+from . import HFRollout, RolloutBatch, encode_prompts
+
+BACKENDS = ("hf", "vllm")
+_VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
+             "or set rollout.backend=hf")
+
+
+class RolloutBackendError(RuntimeError):
+    """A rollout backend that cannot run here; the message is one line naming `rollout.backend` and the fix."""
+
+
+def vllm_importable() -> bool:
+    """Is a `vllm` package installed? (Cheap: does not import it — importing vLLM takes seconds.)"""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_vllm_backend(device: torch.device | str) -> None:
+    """Raise the one-line `rollout.backend=vllm` error where vLLM cannot run: no vllm, or a cpu device."""
+    kind = devlib.kind_of(device)
+    problems = []
+    if kind == "cpu":
+        problems.append("the device is cpu (vLLM's sleep mode and weight hand-over need CUDA or an Ascend NPU)")
+    if not vllm_importable():
+        problems.append("vllm is not importable in this environment")
+    if problems:
+        raise RolloutBackendError(f"rollout.backend=vllm cannot run here: {'; '.join(problems)} — {_VLLM_FIX}")
+
+
+def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_tokens: int | None = None,
+                  **vllm_kwargs):
+    """The rollout engine for `rollout.backend`.
+
+    `recipe_or_rollout_cfg`: a `RecipeConfig` (its `rollout`, `seed` and `data.max_prompt_tokens` are used) or
+    a `RolloutConfig`. `hf` → `HFRollout` over the trainer's `model`; `vllm` → `VllmRollout` (vLLM model len =
+    max_prompt_tokens + rollout.max_new_tokens). Optional vLLM settings are read from the rollout config when
+    it has them (`gpu_memory_utilization`, `enable_sleep_mode`, `sleep_level`, `engine_process`,
+    `weight_transport`, `bucket_bytes`, `load_format`, `enforce_eager`) and can be passed as keywords."""
+    cfg = getattr(recipe_or_rollout_cfg, "rollout", recipe_or_rollout_cfg)
+    data = getattr(recipe_or_rollout_cfg, "data", None)
+    if max_prompt_tokens is None and data is not None:
+        max_prompt_tokens = data.max_prompt_tokens
+    backend = getattr(cfg, "backend", "hf")
+    if backend == "hf":
+        return HFRollout(model, tokenizer, device, max_prompt_tokens)
+    if backend != "vllm":
+        raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
+    check_vllm_backend(device)
+    kw: dict[str, Any] = {}
+    for name, key in (("gpu_memory_utilization", "gpu_memory_utilization"),
+                      ("enable_sleep_mode", "enable_sleep_mode"), ("sleep_level", "sleep_level"),
+                      ("engine_process", "engine_process"), ("weight_transport", "transport"),
+                      ("bucket_bytes", "bucket_bytes"), ("load_format", "load_format"),
+                      ("enforce_eager", "enforce_eager")):
+        val = getattr(cfg, name, None)
+        if val is not None:
+            kw[key] = val
+    seed = getattr(recipe_or_rollout_cfg, "seed", None)
+    if seed is not None:
+        kw["seed"] = seed
+    if max_prompt_tokens is not None:
+        kw["max_model_len"] = max_prompt_tokens + cfg.max_new_tokens
+    kw.update(vllm_kwargs)
+    return VllmRollout(model, tokenizer, device, max_prompt_tokens, **kw)
+
+
+# ---------------------------------------------------------------- worker side (runs inside vLLM's worker)
+
+
+def _worker_device(worker) -> torch.device | None:
+    dev = getattr(worker, "device", None)
+    if dev is None:
+        dev = getattr(getattr(worker, "model_runner", None), "device", None)
+    return torch.device(dev) if dev is not None else None
+
+
+def _engine_model(worker):
+    runner = worker.model_runner
+    get = getattr(runner, "get_model", None)
+    return get() if callable(get) else runner.model
+
+
+def _load_into_engine(worker, weights: list[tuple[str, torch.Tensor]], method: str = "auto",
+                      final: bool = True) -> str:
+    """Load named HF-layout tensors into the engine's model; returns the method used.
+
+    `load_weights` takes any subset of the weights at a time (one bucket per call). vLLM's in-place
+    `reload_weights` — the fallback where parameters were repacked after loading — needs every weight of a layer
+    in one call, so its buckets are staged (copied) on the worker until the `final` one arrives. The method that
+    worked is remembered on the worker for the next hand-overs."""
+    chosen = getattr(worker, "_mopd_load_method", None) or method
+    if chosen in ("auto", "load_weights"):
+        try:
+            _engine_model(worker).load_weights(weights=weights)
+            worker._mopd_load_method = "load_weights"
+            return "load_weights"
+        except AttributeError:  # parameters repacked after loading (vLLM CPU backend): no weight_loader left
+            if chosen != "auto" or not hasattr(worker, "reload_weights"):
+                raise
+            chosen = worker._mopd_load_method = "reload_weights"
+    staged = getattr(worker, "_mopd_staged", None) or []
+    if final and not staged:
+        worker.reload_weights(weights_iterator=iter(weights))
+    else:
+        staged.extend((n, t.clone()) for n, t in weights)  # the sender reuses its buffers after this call
+        worker._mopd_staged = staged
+        if final:
+            worker._mopd_staged = []
+            worker.reload_weights(weights_iterator=iter(staged))
+    return chosen
+
+
+def _engine_load(worker, transport: str, message: Any, method: str = "auto", final: bool = True) -> dict:
+    """`LLM.collective_rpc` target: receive one hand-over message and load it. Module-level so that it pickles
+    by reference into a separate engine process (the package is importable there too)."""
+    if isinstance(message, (bytes, bytearray)):  # pickled by the sender: survives vLLM's msgpack channel intact
+        message = pickle.loads(message)
+    tr = InProcessTransport() if transport == "inprocess" else make_transport(transport)
+    dev = _worker_device(worker)
+    if transport == "shared_memory":
+        got = tr.receive(message, device=dev)
+    else:
+        got = tr.receive(message)
+    used = _load_into_engine(worker, list(got.tensors.items()), method, final)
+    if dev is not None and dev.type != "cpu":
+        devlib.synchronize(dev.type)  # the sender frees/reuses its buffers as soon as this returns
+    rep = got.report.to_dict()
+    rep["load_method"] = used
+    return rep
+
+
+# ---------------------------------------------------------------- the vLLM engine
+
+
+def _request_seeds(n: int, generator: torch.Generator | None) -> list[int]:
+    if generator is None:
+        return torch.randint(0, 2**31 - 1, (n,)).tolist()
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist()
+
+
+class VllmRollout:
+    """`rollout.backend: vllm` — an in-process vLLM engine with its own copy of the student's weights.
+
+    `model`: the trainer's module (source of `sync_weights` and, through `model.name_or_path`, of the checkpoint
+    vLLM starts from; pass `model_path` for a module built in memory). `allow_cpu` is for tests with the CPU
+    build of vLLM (no sleep mode there); `build_rollout` never sets it. See the module docstring for the
+    hand-over, sleep levels and RNG semantics."""
+
+    def __init__(self, model, tokenizer, device, max_prompt_tokens: int | None = None, *,
+                 max_model_len: int | None = None, model_path: str | os.PathLike | None = None,
+                 dtype: str | None = None, seed: int = 0, gpu_memory_utilization: float = 0.3,
+                 enable_sleep_mode: bool = True, sleep_level: int = 1, engine_process: str = "inprocess",
+                 transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES, load_method: str = "auto",
+                 load_format: str = "auto", enforce_eager: bool = True, allow_cpu: bool = False,
+                 llm_kwargs: dict | None = None):
+        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.kind = devlib.kind_of(self.device)
+        if self.kind == "cpu" and not allow_cpu:
+            check_vllm_backend(self.device)
+        if engine_process not in ("inprocess", "separate"):
+            raise ValueError(f"engine_process='{engine_process}' is not one of inprocess, separate")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level} is not 1 (offload weights) or 2 (discard weights)")
+        self.engine_process = engine_process
+        if transport == "auto":
+            transport = devlib.handover_transport(self.kind, same_process=engine_process == "inprocess")
+        if engine_process == "inprocess" and transport != "inprocess":
+            raise ValueError(f"transport='{transport}' needs engine_process='separate' (in one process the "
+                             "hand-over is `inprocess`; CUDA refuses to open its own IPC handles)")
+        self.transport = transport
+        self.bucket_bytes = int(bucket_bytes)
+        self.load_method = load_method
+        self.enable_sleep_mode = bool(enable_sleep_mode) and self.kind != "cpu"  # no sleep mode on CPU
+        self.sleep_level = sleep_level
+        self._awake: set[str] = {"weights", "kv_cache"}
+        self._weights_stale = load_format == "dummy"  # random init: the first generate syncs first
+        self.last_sync: dict | None = None
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_process == "inprocess" else "1"
+        if engine_process == "separate":
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        try:
+            import vllm
+            from vllm import envs as vllm_envs
+        except Exception as e:  # not installed, or a build that does not match this torch/driver
+            raise RolloutBackendError(f"rollout.backend=vllm: `import vllm` failed ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''}) — {_VLLM_FIX}") from None
+        disable = getattr(vllm_envs, "disable_envs_cache", None)
+        if disable is not None:  # a previous in-process engine froze vLLM's env reads; ours must be seen
+            disable()
+        self._SamplingParams = vllm.SamplingParams
+
+        path = model_path or getattr(model, "name_or_path", None) or getattr(
+            getattr(model, "config", None), "_name_or_path", None)
+        if not path:
+            raise ValueError("VllmRollout needs a checkpoint to start the engine from: the model has no "
+                             "name_or_path — pass model_path=<save_pretrained dir>")
+        if dtype is None:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=str(path), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode, logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,   # we tokenise and detokenise with the trainer's tokenizer
+            generation_config="vllm",   # ignore the checkpoint's sampling defaults (e.g. Qwen's top_k=20)
+            load_format=load_format)
+        if self.kind != "cpu":
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(llm_kwargs or {})
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**kwargs)
+        self.init_seconds = time.perf_counter() - t0
+
+    # -- phases ----------------------------------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._awake != {"weights", "kv_cache"}
+
+    def sleep(self, level: int | None = None) -> None:
+        """Give the device memory back (weights offloaded at level 1, discarded at level 2; KV cache dropped)."""
+        if not self.enable_sleep_mode or not self._awake:
+            return
+        level = level or self.sleep_level
+        self.llm.sleep(level=level)
+        self._awake = set()
+        if level >= 2:
+            self._weights_stale = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory again: `tags` ⊆ {"weights", "kv_cache"}; None = both."""
+        if not self.enable_sleep_mode:
+            return
+        todo = [t for t in ("weights", "kv_cache") if (tags is None or t in tags) and t not in self._awake]
+        if not todo:
+            return
+        devlib.empty_cache(self.kind)  # hand the trainer's cached blocks to vLLM's allocator
+        self.llm.wake_up(tags=todo)
+        self._awake |= set(todo)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, model=None) -> dict:
+        """Hand `model`'s (default: the trainer's module) current weights to the engine. Returns a report:
+        transport, tensors, bytes_total, bytes_copied (what the transport copied, both sides: 0 in-process and
+        over CUDA IPC, the shared-memory copies otherwise), bytes_packed (packing into buckets, a device-side
+        copy; 0 in-process), messages (objects / IPC handles / shm segments), rpc_calls, load_method, seconds.
+        The engine's own copy into its parameters (`load_weights`) is in none of them."""
+        model = self.model if model is None else model
+        self.wake(["weights"])
+        t0 = time.perf_counter()
+        named = [(n, t.detach()) for n, t in model.state_dict().items()]
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        copied = packed = messages = calls = 0
+        methods = set()
+        if self.transport == "inprocess":
+            tr = InProcessTransport()
+            sent = tr.send(dict(named))
+            rep = self.llm.collective_rpc(_engine_load, args=("inprocess", sent.message, self.load_method,
+                                                              True))[0]
+            copied, messages, calls = sent.report.bytes_copied + rep["bytes_copied"], sent.report.messages, 1
+            methods.add(rep["load_method"])
+        else:
+            tr = make_transport(self.transport)
+            by_name = dict(named)
+            layouts = plan_buckets(((n, tuple(t.shape), t.dtype, t.device) for n, t in named), self.bucket_bytes)
+            try:
+                for i, lay in enumerate(layouts):  # one bucket at a time: at most one extra bucket of memory
+                    buf = allocate(lay)
+                    for e in lay.entries:
+                        buf[e.offset:e.offset + e.numel].view(e.shape).copy_(by_name[e.name])
+                    sent = tr.send(PackedBuckets([Bucket(buf, lay)]))
+                    rep = self.llm.collective_rpc(_engine_load, args=(
+                        self.transport, pickle.dumps(sent.message), self.load_method, i == len(layouts) - 1))[0]
+                    tr.release()
+                    packed += lay.nbytes
+                    copied += sent.report.bytes_copied + rep["bytes_copied"]
+                    messages += sent.report.messages
+                    calls += 1
+                    methods.add(rep["load_method"])
+                    del buf
+            finally:
+                tr.release()
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._weights_stale = False
+        report = {"transport": self.transport, "tensors": len(named), "bytes_total": total,
+                  "bytes_copied": copied, "bytes_packed": packed, "messages": messages, "rpc_calls": calls,
+                  "load_method": ",".join(sorted(methods)), "seconds": time.perf_counter() - t0}
+        self.last_sync = report
+        return report
+
+    # -- sampling --------------------------------------------------------------------------------------------
+    def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
+                 batch_size: int | None = None) -> RolloutBatch:
+        del batch_size  # vLLM batches by itself (see the module docstring)
+        self.wake()
+        if self._weights_stale:
+            self.sync_weights(self.model)
+        examples = list(examples)
+        tok = self.tokenizer
+        ids, mask = encode_prompts(tok, [e.prompt for e in examples], self.device, self.max_prompt_tokens)
+        ids_c, mask_c = ids.cpu(), mask.cpu()
+        prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids_c, mask_c)]
+        seeds = _request_seeds(len(examples), generator)
+        params = [self._SamplingParams(
+            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p, seed=int(s), logprobs=0, stop_token_ids=[tok.eos_token_id],
+            detokenize=False) for s in seeds]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        rows = [o.outputs[0] for o in outs]
+        B = len(rows)
+        T = max(1, max(len(r.token_ids) for r in rows))
+        c_ids = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
+        c_mask = torch.zeros((B, T), dtype=torch.long)
+        c_lp = torch.zeros((B, T), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            toks = list(r.token_ids)
+            n = len(toks)
+            if not n:
+                continue
+            c_ids[i, :n] = torch.tensor(toks)
+            c_mask[i, :n] = 1
+            if r.logprobs is None:
+                raise RolloutBackendError("rollout.backend=vllm: the engine returned no logprobs for a sample")
+            c_lp[i, :n] = torch.tensor([r.logprobs[t][toks[t]].logprob for t in range(n)], dtype=torch.float32)
+        texts = tok.batch_decode([row[m.bool()].tolist() for row, m in zip(c_ids, c_mask)],
+                                 skip_special_tokens=True)
+        return RolloutBatch(ids, mask, c_ids.to(self.device), c_mask.to(self.device), c_lp.to(self.device),
+                            examples, texts)
+
+    # -- teardown --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (best effort: vLLM keeps some process state). With
+        sleep mode the memory is released through a level-2 sleep first — the engine's pool would otherwise
+        stay mapped in this process."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        if self.enable_sleep_mode:
+            try:
+                if self._awake:
+                    llm.sleep(level=2)
+                    self._awake = set()
+            except Exception:
+                pass
+        self.llm = None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        try:
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        except Exception:
+            pass
+        del llm, core
+        gc.collect()
+        devlib.empty_cache(self.kind)
+
+
+__all__ = ["BACKENDS", "RolloutBackendError", "VllmRollout", "build_rollout", "check_vllm_backend",
+           "vllm_importable"]
