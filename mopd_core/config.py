@@ -130,6 +130,14 @@ class RolloutConfig(_Model):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(12, ge=1, description="Completion budget; unfinished samples are truncated.")
     batch_size: int | None = Field(None, ge=1, description="Sequences per generation call; None = all at once.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm backend: fraction of device memory the engine may take (weights + KV "
+        "cache); None = 0.3, leaving the rest to training in colocated placement.")
+    sleep_level: Literal[1, 2] = Field(1, description="vllm backend: 1 = offload weights to host while asleep, "
+                                       "2 = discard them (re-sent from the trainer on wake).")
+    engine_process: Literal["inprocess", "separate"] = Field(
+        "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
+        "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")
 
 
 class TeachersConfig(_Model):

@@ -56,21 +56,8 @@ def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
     """The memory the colocated phases may use: `runtime.memory_limit_gib` when set, else the device's total."""
     if limit_gib is not None:
         return float(limit_gib) * 1024
-    return _device_total_mb(kind)
-
-
-def _device_total_mb(kind: str) -> float | None:
-    mod = devlib._module(kind)
-    if mod is not None:
-        return mod.mem_get_info()[1] / MB
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    total = devlib.mem_get_info(kind)[1]
+    return total / MB if total else None
 
 
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,

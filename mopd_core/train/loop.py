@@ -26,7 +26,8 @@ from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
-from ..rollout import HFRollout, RolloutBatch, completion_logprobs
+from ..rollout import RolloutBatch, completion_logprobs
+from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
 from ..runtime.phases import PhaseScheduler, check_colocated_fit
 from .checkpoint import (StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage,
@@ -130,7 +131,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         opt.load_state_dict(st["optimizer"])
         if st.get("scheduler"):
             sched.load_state_dict(st["scheduler"])
-    engine = HFRollout(model, tokenizer, device, recipe.data.max_prompt_tokens)
+    engine = build_rollout(recipe, model, tokenizer, device)
     in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
                   if hasattr(t, "param_bytes")}
     check_colocated_fit(kind=dinfo.kind, limit_gib=recipe.runtime.memory_limit_gib,
@@ -248,6 +249,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     finally:
         bar.close()
         phases.restore()
+        close = getattr(engine, "close", None)
+        if close:  # a vLLM engine releases its device memory; the HF engine has nothing to close
+            close()
 
     log.info("%s: %s", stage, phases.summary())
     last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
