@@ -317,8 +317,10 @@ class _Worker:
         """Where this worker runs: pid, rank, device, backend, the visible-devices variable Ray/we set."""
         import ray
 
+        from . import device as devlib
+
         var = self.dinfo.visible_devices_env
-        kind_var = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}.get(self.spec.kind)
+        kind_var = devlib.visible_devices_env(self.spec.kind)
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "rank": self.rank, "device": str(self.device),
                 "backend": self.dinfo.dist_backend, "torch_threads": torch.get_num_threads(),
@@ -333,7 +335,7 @@ class _Worker:
 
 class TrainWorker(_Worker):
     """One data-parallel rank: the student wrapped in DDP over the train group, AdamW + the loop's schedule,
-    updated by the on-policy loop's own `_update` on this rank's rows of a batch."""
+    updated by the on-policy loop's own `policy_update` on this rank's rows of a batch."""
 
     def __init__(self, rank: int, spec: ClusterSpec, model_path: str, loop_cfg: Mapping[str, Any]) -> None:
         """Load the student onto this worker's device (DDP comes in `setup`, once the world exists)."""
@@ -350,7 +352,7 @@ class TrainWorker(_Worker):
         """Join the world, wrap the student in DDP (rank 0's weights broadcast to all), build the optimizer."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from ..train.loop import _lr_lambda
+        from ..train.loop import lr_lambda
 
         self._init_dist(addr, port)
         ids = None if self.device.type == "cpu" else [self.device.index or 0]
@@ -358,14 +360,14 @@ class TrainWorker(_Worker):
         c = self.cfg
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=c.lr, betas=tuple(c.betas),
                                      weight_decay=c.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(c.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(c.warmup_steps))
         return self.info()
 
     def train_step(self, payload: Mapping[str, Any], temperature: float, seed: int) -> dict[str, float]:
         """Update on rows `rank::world` of the batch. Each rank's token weights are scaled by
         `world · n_local / n_global`, so DDP's gradient mean equals the gradient of the token-mean loss over the
         whole batch (with `minibatches=1`, the single-process update up to float summation order)."""
-        from ..train.loop import _update
+        from ..train.loop import policy_update
 
         t0 = time.perf_counter()
         batch, adv, tw_user = payload["batch"], payload["advantages"], payload.get("token_weights")
@@ -378,8 +380,8 @@ class TrainWorker(_Worker):
         tw = torch.full_like(mask, W * n_local / max(n_global, 1.0))
         if tw_user is not None:
             tw = tw * tw_user[rows].to(self.device)
-        upd = _update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None, self.cfg,
-                      temperature, random.Random(f"{seed}/{self.rank}"))
+        upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
+                            self.cfg, temperature, random.Random(f"{seed}/{self.rank}"))
         # every backward all-reduces the full gradient once (payload per rank, before gloo/nccl's own traffic)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         mbs = [len(rows[i::self.cfg.minibatches]) for i in range(self.cfg.minibatches)]

@@ -74,7 +74,7 @@ def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, 
     return out
 
 
-def _lr_lambda(warmup: int):
+def lr_lambda(warmup: int):
     return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
 
 
@@ -125,7 +125,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
                             weight_decay=loop_cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(loop_cfg.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop_cfg.warmup_steps))
     if ckpts:
         st = load_loop_state(ckpts[-1])
         opt.load_state_dict(st["optimizer"])
@@ -190,7 +190,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
 
             t0 = time.perf_counter()
             with phases.train():
-                upd = _update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
+                upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
                               recipe.rollout.temperature, rng)
             t_train = time.perf_counter() - t0
             if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
@@ -308,7 +308,7 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
     return out
 
 
-def _update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
+def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch."""

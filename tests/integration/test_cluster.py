@@ -65,16 +65,16 @@ def _fixed_batch(path):
 
 
 def _reference_update(path, batch, adv, steps):
-    """The same update in one process on the whole batch (the loop's own `_update`)."""
+    """The same update in one process on the whole batch (the loop's own `policy_update`)."""
     from mopd_core.models import load_model
-    from mopd_core.train.loop import _lr_lambda, _update
+    from mopd_core.train.loop import lr_lambda, policy_update
 
     cfg = _loop_cfg()
     model = load_model(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
     mask = batch.completion_mask.float()
-    mets = [_update(model, opt, sched, batch, adv[:, None] * mask, mask, None, None, cfg, 1.0, random.Random(0))
+    mets = [policy_update(model, opt, sched, batch, adv[:, None] * mask, mask, None, None, cfg, 1.0, random.Random(0))
             for _ in range(steps)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, mets
 
