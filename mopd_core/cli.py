@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -64,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except Exception as e:  # user-facing errors: one line, exit 2; real bugs keep their traceback
-        from .errors import USER_ERRORS
+        from .errors import NAMED_ERRORS, USER_ERRORS
 
-        if isinstance(e, USER_ERRORS):
-            print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, USER_ERRORS) and not os.environ.get("MOPD_TRACEBACK"):
+            hint = "" if isinstance(e, NAMED_ERRORS) else " (MOPD_TRACEBACK=1 shows where it was raised)"
+            print(f"error: {e}{hint}", file=sys.stderr)
             return 2
         raise
 
