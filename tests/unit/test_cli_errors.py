@@ -18,7 +18,7 @@ def _raise(exc):
 def test_named_user_error_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_run", _raise(ColocationError("runtime.placement=colocated: phase 'train' needs…")))
     monkeypatch.delenv("MOPD_TRACEBACK", raising=False)
-    assert cli.main(["config"]) == 2
+    assert cli.main(["config", "show"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: runtime.placement=colocated: phase 'train' needs…"
 
@@ -26,7 +26,7 @@ def test_named_user_error_is_one_line(monkeypatch, capsys):
 def test_plain_value_error_says_how_to_see_the_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_run", _raise(ValueError("too many values to unpack")))
     monkeypatch.delenv("MOPD_TRACEBACK", raising=False)
-    assert cli.main(["config"]) == 2
+    assert cli.main(["config", "show"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: too many values to unpack") and "MOPD_TRACEBACK=1" in err and "\n" not in err
 
@@ -35,8 +35,8 @@ def test_traceback_on_request_and_for_bugs(monkeypatch):
     monkeypatch.setattr(cli, "_run", _raise(ValueError("boom")))
     monkeypatch.setenv("MOPD_TRACEBACK", "1")
     with pytest.raises(ValueError, match="boom"):
-        cli.main(["config"])
+        cli.main(["config", "show"])
     monkeypatch.delenv("MOPD_TRACEBACK")
     monkeypatch.setattr(cli, "_run", _raise(KeyError("bug")))
     with pytest.raises(KeyError):
-        cli.main(["config"])
+        cli.main(["config", "show"])
