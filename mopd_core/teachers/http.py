@@ -127,6 +127,15 @@ class HttpTeacher:
         sup = self.supervisor
         return bool(sup is not None and sup.is_dead(self.name))
 
+    def _hung(self) -> bool:
+        """A supervised server that times out a request and does not answer /health is hung: kill it, so the
+        dead-server path restarts it instead of retrying into the same silence."""
+        sup = self.supervisor
+        if sup is None or not hasattr(sup, "is_hung") or not sup.is_hung(self.name):
+            return False
+        sup.kill_hung(self.name)
+        return True
+
     def _post(self, path: str, payload: dict, seq_len: int | None = None) -> dict:
         """POST with retries for transient failures only; 4xx raises at once."""
         import httpx
@@ -143,6 +152,9 @@ class HttpTeacher:
                 r = self._client.post(f"{self.url}{path}", json=payload)
             except httpx.TransportError as e:  # refused, reset, timeouts, protocol errors
                 last = _one_line(f"{type(e).__name__}: {e}", 120)
+                if isinstance(e, httpx.TimeoutException) and self._hung():
+                    raise TeacherUnavailable(f"teacher '{self.name}' server at {self.url} stopped answering (request "
+                                             f"timed out, /health silent too: killed for a restart)") from None
                 if self._dead():
                     raise TeacherUnavailable(f"teacher '{self.name}' server at {self.url} died ({last})") from None
                 continue

@@ -310,6 +310,39 @@ class TeacherServers:
         s = self.servers.get(teacher_id)
         return bool(s is not None and not self._stopped and s.dead())
 
+    def is_hung(self, teacher_id: str, timeout_s: float = 10.0) -> bool:
+        """Alive but not answering `/health` within `timeout_s` (stopped, deadlocked): it will not recover by
+        itself, and waiting `request_timeout_s` × retries for it would stall the stage for minutes."""
+        import httpx
+
+        s = self.servers.get(teacher_id)
+        if s is None or self._stopped or s.dead():
+            return False
+        try:
+            with httpx.Client(trust_env=False, timeout=timeout_s) as c:
+                return c.get(f"{s.url}/health").status_code != 200
+        except httpx.TransportError:
+            return True
+
+    def kill_hung(self, teacher_id: str) -> None:
+        """SIGKILL a hung server's process group (a stopped process would not act on SIGTERM) so that the usual
+        dead-server path restarts it."""
+        with self._lock:
+            s = self.servers[teacher_id]
+            if s.dead():
+                return
+            log.warning("teacher '%s' server (pid %s) stopped answering /health; killing it", teacher_id, s.pid)
+            for g in s.pgids:
+                try:
+                    os.killpg(g, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if s.proc is not None:
+                try:
+                    s.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+
     def restart(self, teacher_id: str) -> str:
         """Restart a dead server (same port when free); returns its URL. Bounded by `restarts` per teacher."""
         with self._lock:
