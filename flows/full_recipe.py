@@ -1,5 +1,6 @@
 """The whole recipe as one flow: sft → experts (one per domain, concurrently) → serve_teachers → mopd →
-evaluate → report (→ champion comparison in the nightly reproduction)."""
+evaluate → report (→ champion comparison in the nightly reproduction). With `teachers.backend: http` the
+teacher servers live from serve_teachers to the end of the mopd stage and are stopped in a `finally`."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from flows.params import (ChampionParams, EvalParams, ExpertParams, MOPDParams, 
 from tasks.common import experts_concurrently
 from tasks.runs import (close_recipe_run, compare_to_champion, find_champion, open_recipe_run, report_task,
                         validate_parameters)
-from tasks.stages import as_ref, evaluate_task, expert_task, mopd_task, serve_teachers_task, sft_task
+from tasks.stages import as_ref, evaluate_task, expert_task, mopd_task, sft_task
+from tasks.teachers import serve_teachers_task, stop_teachers
 
 
-def _present(task_obj, result: dict, *args) -> dict:
+def _present(task_obj, result: dict, *args, **kw) -> dict:
     """A cached result whose model folder was deleted since: run the stage again."""
     if Path(result["path"]).exists():
         return result
-    return task_obj.with_options(refresh_cache=True)(*args)
+    return task_obj.with_options(refresh_cache=True)(*args, **kw)
 
 
 @flow(name="full-recipe", task_runner=ThreadPoolTaskRunner(max_workers=4),
@@ -73,10 +75,16 @@ def full_recipe(
             experts = {d: opts(expert_task, f"expert-{d}", f"expert-{d}")(*eargs[d]) for d in domains}
         experts = {d: _present(expert_task, r, *eargs[d]) for d, r in experts.items()}
         stages.update({f"expert-{d}": r for d, r in experts.items()})
-        served = serve_teachers_task(cfg, {d: as_ref(r) for d, r in experts.items()}, as_ref(s), parent)
-        margs = ("mopd", cfg, {"init": as_ref(s), **{f"teacher.{d}": r for d, r in served.items()}}, parent,
-                 is_fresh("student"))
-        student = _present(mopd_task, opts(mopd_task, "student", "mopd")(*margs), *margs)
+        # teachers.backend=http: vLLM servers from here until the student is trained (none when it is reused)
+        served = serve_teachers_task(cfg, {d: as_ref(r) for d, r in experts.items()}, as_ref(s), parent,
+                                     is_fresh("student"))
+        try:
+            margs = ("mopd", cfg, {"init": as_ref(s), **{f"teacher.{d}": r for d, r in served["teachers"].items()}},
+                     parent, is_fresh("student"))
+            ep = {"endpoints": served["manifest"]}
+            student = _present(mopd_task, opts(mopd_task, "student", "mopd")(*margs, **ep), *margs, **ep)
+        finally:
+            stop_teachers(served)  # every server it started, also when the stage failed
         stages["student"] = student
         champ = find_champion(cfg, champion.alias) if champion.compare else None
         models = {"base": None, "sft": as_ref(s), **{f"expert-{d}": as_ref(r) for d, r in experts.items()},

@@ -10,7 +10,8 @@ from flows.params import (EvalParams, ExpertParams, MOPDParams, RolloutParams, R
                           TeachersParams, section_dict)
 from tasks.common import ParameterError, adhoc_config
 from tasks.runs import close_recipe_run, open_recipe_run, validate_parameters
-from tasks.stages import evaluate_task, expert_task, mopd_task, serve_teachers_task, sft_task
+from tasks.stages import evaluate_task, expert_task, mopd_task, sft_task
+from tasks.teachers import keep_teachers_task, serve_teachers_task, stop_teachers
 
 
 def _top(name, seed, output_dir) -> dict:
@@ -64,17 +65,55 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
 
 
 @flow(name="serve-teachers",
-      description="Make the experts reachable as teachers and check their tokenizers against the student's.")
+      description="Start the expert teachers' vLLM servers (teachers.backend=http), pre-flight them against the "
+                  "student, keep them up for keep_running_s, stop them; or check colocated teachers' tokenizers.")
 def serve_teachers_flow(teacher_refs: dict[str, str], student: str, config: str = "tiny",
                         overrides: list[str] | None = None, name: str | None = None,
-                        teachers: TeachersParams = TeachersParams()) -> dict:
-    """`teacher_refs`: {domain: model reference}; `student`: the student's model reference."""
+                        teachers: TeachersParams = TeachersParams(), keep_running_s: float = 0.0) -> dict:
+    """`teacher_refs`: {domain: model reference}; `student`: the student's model reference.
+
+    A flow run owns what it starts: no server outlives it. With `teachers.backend: http` (and no
+    `teachers.endpoints`) the run starts one vLLM server per teacher on 127.0.0.1, checks each (health,
+    tokenizer fingerprint and `/tokenize` probe against the student, max-model-len ≥ prompt + completion + 1),
+    publishes the endpoint manifest (Prefect artifact; MLflow run `serve-teachers` with the manifest and every
+    server log), then **stops them**. `keep_running_s` = 0 (default) makes it a pre-flight check (~30 s per
+    teacher on CPU); > 0 keeps the servers serving that many seconds first (dead ones restarted, at most
+    teachers.restarts), e.g. for a trainer outside this flow pointed at the manifest's URLs
+    (`teachers.endpoints`). The recipe's own training never depends on this flow: `full-recipe` and `mopd`
+    start and stop their servers themselves. With `teachers.endpoints` the given servers are checked only;
+    with `backend: local` only the tokenizers are checked.
+
+    Returns `{"teachers": {domain: ref}, "manifest": path, "endpoints": {teacher: {url, model, max_model_len,
+    pid, restarts, …}}, "mode", "started", "served_s"}` — `endpoints` as they were while serving; after the
+    run those URLs no longer answer."""
+    import json
+    import time
+    from pathlib import Path
+
     cfg, refs, trefs = validate_parameters("serve-teachers", config, overrides,
                                            {"teachers": section_dict(teachers)}, _top(name, None, None),
                                            refs={"student": student}, teacher_refs=teacher_refs)
-    return _in_parent(cfg, "serve-teachers",
-                      lambda parent: serve_teachers_task(cfg, trefs, refs["student"], parent),
-                      {f"input.teacher.{k}": v for k, v in teacher_refs.items()})
+    if keep_running_s < 0:
+        raise ParameterError(f"parameter 'keep_running_s': {keep_running_s} < 0")
+    # its own folder (`<output_dir>/<name>/stages/<key>/serve-teachers/`): never the logs of a recipe's servers
+    cfg = adhoc_config(cfg, "serve_teachers", {"student": refs["student"],
+                                               **{f"teacher.{d}": r for d, r in trefs.items()}})
+
+    def body(parent):
+        # refresh=True: start the servers whatever a student stage in that folder says
+        served = serve_teachers_task(cfg, trefs, refs["student"], parent, True)
+        t0 = time.monotonic()
+        try:
+            if served["started"] and keep_running_s > 0:
+                keep_teachers_task(served, keep_running_s)
+            m = served["manifest"]
+            endpoints = json.loads(Path(m).read_text()) if m and Path(m).exists() else {}
+        finally:
+            stop_teachers(served)
+        return {**served, "endpoints": endpoints, "served_s": time.monotonic() - t0}
+
+    return _in_parent(cfg, "serve-teachers", body, {**{f"input.teacher.{k}": v for k, v in teacher_refs.items()},
+                                                    "keep_running_s": keep_running_s})
 
 
 @flow(name="mopd",
@@ -85,7 +124,8 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
               teachers: TeachersParams = TeachersParams(), rollout: RolloutParams = RolloutParams(),
               eval: EvalParams = EvalParams(), refresh: bool = False) -> dict:  # noqa: A002
     """`init`: the student's starting model (usually `models:/<name>-sft@...`); `teacher_refs`:
-    {domain: expert model reference}."""
+    {domain: expert model reference}. With `teachers.backend: http` the run starts the teachers' vLLM servers
+    (serve_teachers) before the stage and stops them after it, also when it fails; none when the stage is reused."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, mopd=mopd, teachers=teachers,
                                                    rollout=rollout, eval=eval).items()}
     cfg, refs, trefs = validate_parameters("mopd", config, overrides, sections, _top(name, seed, output_dir),
@@ -94,9 +134,14 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
     cfg = adhoc_config(cfg, "mopd", inputs)
 
     def body(parent):
-        served = serve_teachers_task(cfg, trefs, refs["init"], parent)
-        inputs2 = {"init": refs["init"], **{f"teacher.{d}": r for d, r in served.items()}}
-        return mopd_task.with_options(refresh_cache=refresh)("mopd", cfg, inputs2, parent, refresh)
+        served = serve_teachers_task(cfg, trefs, refs["init"], parent, refresh)
+        try:
+            inputs2 = {"init": refs["init"], **{f"teacher.{d}": r for d, r in served["teachers"].items()}}
+            return mopd_task.with_options(task_run_name="mopd", refresh_cache=refresh)("mopd", cfg, inputs2, parent,
+                                                                                      refresh,
+                                                                 endpoints=served["manifest"])
+        finally:
+            stop_teachers(served)  # every server it started, also when the stage failed
 
     return _in_parent(cfg, "mopd", body, {"input.init": init,
                                           **{f"input.teacher.{k}": v for k, v in teacher_refs.items()}})

@@ -54,7 +54,9 @@ def _last_checkpoint_step(stage_dir: Path) -> int:
 
 def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str, Any]], parent_run_id: str | None,
                refresh: bool, stage_dir: Path, registered: str | None, engine: Callable[[dict], Any],
-               sections: tuple[str, ...], data_domains: list[str]) -> dict:
+               sections: tuple[str, ...], data_domains: list[str],
+               on_end: Callable[[str, Any], None] | None = None) -> dict:
+    """`on_end(run_id, stage_output | None)`: extra tracking before the child run ends (None: the stage failed)."""
     from mopd_core.recipe import setup_runtime
 
     logger = get_run_logger()
@@ -66,7 +68,7 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
     setup_runtime(cfg)
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
                                 tags={"mopd.stage": label, "mopd.cache_key": key, **_prefect_tags()})
-    link = None
+    link = out = None
     try:
         link = tracking.run_url(run_id)
         logger.info("%s: MLflow run %s", label, link)
@@ -81,6 +83,8 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         finally:
             rows = tail.close()
         wall = time.perf_counter() - t0
+        if on_end is not None:
+            on_end(run_id, out)
         ev = out.eval
         tracking.log_eval(run_id, ev)
         tracking.log_metric_rows(run_id, [{"step": 0, "wall_s": wall}])
@@ -101,6 +105,11 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
             logger.info("%s: registered %s", label, model_uri)
         tracking.end_run(run_id, "FINISHED")
     except BaseException as e:
+        if on_end is not None and out is None:
+            try:
+                on_end(run_id, None)
+            except Exception:  # noqa: BLE001 - the stage's own error is the one to report
+                logger.warning("%s: tracking after the failure failed", label, exc_info=True)
         tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     result = {"stage": label, "ref": model_uri or str(Path(out.model_dir).resolve()),
@@ -149,53 +158,34 @@ def expert_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None,
 
 
 @task(name="mopd", **CACHED)
-def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False) -> dict:
+def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False,
+              endpoints: str | None = None) -> dict:
+    """`endpoints`: the manifest path `serve_teachers_task` returned (None: the stage serves its teachers itself
+    or uses teachers.endpoints). The live servers of that manifest in this process are used with supervision
+    (dead servers restarted); a manifest from elsewhere is used as external endpoints. Not part of the cache
+    key (ports and pids are no identity of the student)."""
     from mopd_core import recipe as R
+
+    from .teachers import live_teachers, record_restarts
+
+    live = live_teachers(endpoints)
 
     def engine(local: dict):
         teachers = {k.split(".", 1)[1]: v for k, v in local.items() if k.startswith("teacher.")}
-        return R.mopd_stage(cfg, local["init"], teachers, progress=True)
+        return R.mopd_stage(cfg, local["init"], teachers, progress=True,
+                            endpoints=live if live is not None else endpoints)
+
+    def on_end(run_id: str, out) -> None:
+        manifest = getattr(out, "teachers", None) or (live.manifest() if live is not None else None)
+        counts = record_restarts(run_id, manifest)
+        if any(counts.values()):
+            get_run_logger().warning("teacher server restarts during the stage: %s", counts)
 
     return _run_stage(stage=stage, label="student", cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
                       refresh=refresh, stage_dir=cfg.run_dir() / "student",
                       registered=tracking.registered_name(cfg.name, "student"), engine=engine,
-                      sections=("runtime",) + STAGE_SECTIONS["mopd"], data_domains=cfg.domain_names())
-
-
-@task(name="serve_teachers", **RETRY)
-def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str | None = None) -> dict:
-    """Make every teacher reachable for scoring and check its tokenizer against the student's, before any
-    training. `local` (colocated): checkpoint dirs loaded in-process by the mopd stage; `http`: the mopd stage
-    starts the vLLM servers itself (or uses `teachers.endpoints`)."""
-    from mopd_core.models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
-
-    logger = get_run_logger()
-    run_id = tracking.start_run(cfg.name, "serve-teachers", parent_run_id,
-                                tags={"mopd.stage": "serve-teachers", **_prefect_tags()})
-    try:
-        cache = refs_cache_dir(cfg)
-        student_fp = tokenizer_fingerprint(load_tokenizer(local_path(student, cache)))
-        out, fps = {}, {}
-        for name, ref in sorted(teachers.items()):
-            path = local_path(ref, cache)
-            fps[name] = tokenizer_fingerprint(load_tokenizer(path))
-            check_same_tokenizer(student_fp, fps[name], name, "serve_teachers")
-            out[name] = {"ref": ref["ref"], "path": str(path)}
-        tracking.log_params(run_id, {"teachers.backend": cfg.teachers.backend,
-                                     "teachers.routing": cfg.teachers.routing,
-                                     **{f"input.teacher.{k}": v["ref"] for k, v in out.items()}})
-        tracking.set_tags(run_id, {"student_tokenizer": student_fp,
-                                   **{f"tokenizer.{k}": v for k, v in fps.items()}})
-        tracking.end_run(run_id)
-    except BaseException:
-        tracking.end_run(run_id, "FAILED")
-        raise
-    # backend `http`: the mopd stage starts one vLLM server per teacher (or uses `teachers.endpoints`) for as long
-    # as it trains — servers outlive no stage; this task checks what can be checked before that
-    logger.info("teachers ready (%s%s): %s", cfg.teachers.backend,
-                ", colocated" if cfg.teachers.backend == "local" else ", served by the mopd stage",
-                ", ".join(sorted(out)))
-    return out
+                      sections=("runtime",) + STAGE_SECTIONS["mopd"], data_domains=cfg.domain_names(),
+                      on_end=on_end)
 
 
 @task(name="evaluate", **CACHED)

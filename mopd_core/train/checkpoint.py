@@ -67,6 +67,19 @@ def claim_stage(stage_dir: Path, fingerprint: str, meta: dict | None = None) -> 
     return info
 
 
+def stage_done(stage_dir: Path, fingerprint: str, steps: int | None = None) -> dict | None:
+    """The record of a finished stage with `fingerprint` (and `steps`, when given) in `stage_dir` or in the folder
+    set aside for that fingerprint (`<stage>@<fingerprint>`, which `claim_stage` brings back); None otherwise.
+    Reads only: lets a caller skip expensive set-up (teacher servers) for a stage that would be reused."""
+    stage_dir = Path(stage_dir)
+    for d in (stage_dir, stage_dir.with_name(f"{stage_dir.name}@{fingerprint}")):
+        info = read_stage(d)
+        if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
+                and (steps is None or info.get("steps") == steps) and (d / "final").exists()):
+            return info
+    return None
+
+
 def checkpoint_dirs(stage_dir: Path) -> list[Path]:
     root = Path(stage_dir) / "checkpoints"
     if not root.exists():

@@ -1,7 +1,8 @@
 """Run flows / query Prefect in a subprocess for the e2e tests (each process gets its own Prefect settings:
 ephemeral mode or PREFECT_API_URL). `python tests/e2e/driver.py SPEC.json OUT.json`.
 
-SPEC: {"ops": [{"op": "run", "flow": "full-recipe", "kwargs": {...}}, {"op": "flow_run", "id": "..."}]}
+SPEC: {"ops": [{"op": "run", "flow": "full-recipe", "kwargs": {...}}, {"op": "flow_run", "id": "..."},
+              {"op": "vllm_procs", "needle": "/tmp/..."}]}
 OUT: one result per op: flow runs with their state, task runs (name, state) and artifacts (key, type).
 """
 
@@ -106,6 +107,22 @@ def run_flow(op: dict) -> dict:
     return out
 
 
+def vllm_procs(op: dict) -> dict:
+    """Inside the driver process, before it exits (and before serving.py's atexit safety net could stop
+    anything): the live vLLM processes whose command line mentions `needle`, and the TeacherServers objects
+    still registered as running."""
+    from tests.e2e.helpers import vllm_processes
+
+    out = {"procs": vllm_processes(op["needle"])}
+    try:
+        from mopd_core.teachers import serving
+
+        out["registered"] = len(serving._LIVE)
+    except Exception as e:  # noqa: BLE001
+        out["registered_error"] = str(e)
+    return out
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     results = []
@@ -122,6 +139,8 @@ def main() -> int:
 
                 with get_client(sync_client=True) as c:
                     results.append(str(c.read_deployment_by_name(op["deployment"]).id))
+            elif op["op"] == "vllm_procs":
+                results.append(vllm_procs(op))
             elif op["op"] == "flow_run":
                 results.append(describe_flow_run(op["id"]))
             else:

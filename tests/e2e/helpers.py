@@ -73,3 +73,31 @@ def mlflow_client(uri: str):
 def runs_of(client, experiment: str) -> list:
     exp = client.get_experiment_by_name(experiment)
     return client.search_runs([exp.experiment_id], max_results=1000) if exp else []
+
+
+def vllm_processes(needle: str) -> list[dict]:
+    """Live (non-zombie) vLLM processes of a test: the command line mentions vllm (a server) or the environment
+    holds the VLLM_* variables serving.py sets (its engine-core/worker children, renamed `VLLM::EngineCore`), and
+    the command line or environment mentions `needle` (the test's tmp dir)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (d / "environ").read_bytes().decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        is_vllm = "vllm" in cmd.lower() or "VLLM_CONFIG_ROOT=" in environ
+        if state != "Z" and is_vllm and (needle in cmd or needle in environ):
+            out.append({"pid": int(d.name), "cmdline": cmd[:300]})
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
