@@ -199,6 +199,10 @@ def start_teacher_servers(recipe: RecipeConfig, teachers: dict[str, str | Path],
     in `run_dir` are removed first, so the folder describes these servers only."""
     from .models import load_tokenizer
 
+    if recipe.teachers.routing == "domain":  # a domain without a teacher fails here, not after minutes of start-up
+        from .teachers import check_routing
+
+        check_routing(recipe.domain_names(), teachers.keys())
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir / "logs", ignore_errors=True)
     (run_dir / "endpoints.json").unlink(missing_ok=True)
@@ -249,6 +253,13 @@ def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path], studen
     if endpoints is not None and recipe.teachers.backend != "http":
         raise ValueError("teacher endpoints were given but teachers.backend is "
                          f"'{recipe.teachers.backend}' — set teachers.backend=http")
+    external = endpoints if endpoints is not None else recipe.teachers.endpoints  # TRL teacher_server_urls style
+    if recipe.teachers.routing == "domain":  # before any server starts or model loads
+        from .teachers import check_routing
+
+        named = external.keys() if isinstance(external, dict) else (None if external else teachers.keys())
+        if named is not None:
+            check_routing(recipe.domain_names(), named)
     dinfo = devlib.resolve(recipe.runtime.device)
     if recipe.teachers.backend == "local":
         from .teachers import build_local_router
@@ -259,7 +270,6 @@ def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path], studen
 
     student_tok = load_tokenizer(student)
     max_seq = teacher_max_seq_len(recipe)
-    external = endpoints if endpoints is not None else recipe.teachers.endpoints  # TRL teacher_server_urls style
     if external:
         return build_http_router(external, recipe.teachers, student_tok, max_seq_len=max_seq), None
     servers, router = _serve(recipe, teachers, student_tok, Path(stage_dir or recipe.run_dir()) / "teachers")

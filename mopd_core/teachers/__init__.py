@@ -88,6 +88,16 @@ class LocalTeacher:
         return out
 
 
+def check_routing(teacher_ids, teacher_names) -> None:
+    """Domain routing: every teacher_id of the data needs a teacher of that name (cheap: run it before starting
+    any server or loading any model)."""
+    names = list(teacher_names)
+    for tid in sorted(set(teacher_ids)):
+        if tid not in names:
+            raise TeacherError(f"unknown teacher_id '{tid}': no teacher serves it; known teachers: "
+                               f"{', '.join(names) or 'none'} — add a teacher for it or fix the data")
+
+
 @dataclass
 class RoutedScore:
     logp: torch.Tensor                         # [B,T] ℓᵀ after routing / mixing
@@ -124,10 +134,7 @@ class TeacherRouter:
         for name, t in self.teachers.items():
             check_same_tokenizer(student_fingerprint, t.fingerprint, name, f" ({t.path})")
         if self.routing == "domain":
-            for tid in sorted(set(teacher_ids)):
-                if tid not in self.teachers:
-                    raise TeacherError(f"unknown teacher_id '{tid}': no teacher serves it; known teachers: "
-                                       f"{', '.join(self.names)} — add a teacher for it or fix the data")
+            check_routing(teacher_ids, self.names)
 
     def _weights(self, teacher_ids: list[str], device) -> torch.Tensor:
         K = len(self.names)

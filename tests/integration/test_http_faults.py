@@ -186,8 +186,6 @@ def test_unreachable_endpoint_fails_in_seconds(world, tmp_path):
     assert dt < 10, dt
 
 
-@pytest.mark.xfail(strict=True, reason="recipe.mopd_stage starts the served teachers before the loop's routing "
-                   "check (see the issue-4 fault-test report): remove this mark once it checks first")
 def test_domain_without_served_teacher_fails_before_any_server(world, tmp_path):
     from mopd_core.teachers import TeacherError
 
