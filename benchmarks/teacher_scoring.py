@@ -5,7 +5,8 @@ with 1 and 3 teachers and several request concurrencies, on the tiny model.
 
 Writes `<out>.json` and `<out>.md`. Tokens/s counts scored completion tokens (the student's sampled tokens).
 1 teacher: one teacher scores the whole batch. 3 teachers: domain routing (each row to its domain's teacher;
-the router calls the teachers one after another). Needs `.venv-vllm` (infra/vllm_venv.sh) for the http rows.
+the router asks the three servers at the same time; local teachers go one after another). Needs `.venv-vllm`
+(infra/vllm_venv.sh) for the http rows.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
     for r in rows:
         md.append(f"| {r['backend']} | {r['teachers']} | {r['concurrency'] or '–'} | "
                   f"{r['request_batch_size'] or '–'} | {r['tokens_per_s']:.0f} | {r['seconds'] * 1000:.0f} |")
-    md += ["", "3 teachers = domain routing: each teacher scores its third of the rows; the router calls them in "
-           "turn. The machine is shared (2 cores), so treat differences under ~20% as noise."]
+    md += ["", "3 teachers = domain routing: each teacher scores its third of the rows; http: the router asks "
+           "the three servers at the same time (local: one after another). The machine is shared (2 cores), so treat differences under ~20% as noise."]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     import shutil
