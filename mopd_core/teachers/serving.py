@@ -233,6 +233,7 @@ class TeacherServers:
             s.pgids.append(s.proc.pid)
             s.starts += 1
             _register(self)
+            self._guard()
             log.info("teacher '%s': vLLM server pid %d on %s (log %s)", s.teacher_id, s.proc.pid, s.url, s.log)
             deadline = time.monotonic() + self.startup_timeout_s
             with httpx.Client(trust_env=False, timeout=5.0) as c:
@@ -395,6 +396,32 @@ class TeacherServers:
                 with ThreadPoolExecutor(len(live)) as ex:
                     list(ex.map(self._kill, live))
             _unregister(self)
+            self.groups_path.unlink(missing_ok=True)  # the watchdog sees it gone and exits
+            wd = getattr(self, "_watchdog", None)
+            if wd is not None:
+                try:
+                    wd.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    wd.kill()
+
+    # -- orphan guard ----------------------------------------------------------------------------------------
+    @property
+    def groups_path(self) -> Path:
+        return self.run_dir / ".server-groups.json"
+
+    def _guard(self) -> None:
+        """Servers run in their own sessions (a Ctrl-C must reach us, not them), so a SIGKILLed parent would
+        orphan them. A tiny watchdog process (started once) polls for our death — its parent pid changes — and
+        then kills the process groups listed in `.server-groups.json`; it exits when `stop()` removes the file."""
+        groups = [g for srv in self.servers.values() for g in srv.pgids if _alive_group(g)]
+        tmp = self.groups_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self.groups_path)
+        if getattr(self, "_watchdog", None) is None or self._watchdog.poll() is not None:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.groups_path)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env={"PATH": os.environ.get("PATH", "")})
 
     def all_pids(self) -> list[int]:
         """Every process group leader this object ever started (for leak checks)."""
@@ -419,6 +446,37 @@ def serve_teachers(checkpoints: Mapping[str, str | Path], cfg, run_dir: str | Pa
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
         kv_cache_gib=cfg.kv_cache_gib, devices=devices, student_fingerprint=student_fingerprint, **kw)
 
+
+_WATCHDOG = r"""
+import json, os, signal, sys, time
+parent, path = int(sys.argv[1]), sys.argv[2]
+while os.getppid() == parent and os.path.exists(path):
+    time.sleep(1.0)
+if os.path.exists(path):  # the parent died without stop(): take its servers with it
+    try:
+        groups = json.load(open(path))
+    except Exception:
+        groups = []
+    def alive(g):
+        try:
+            os.killpg(g, 0)
+            return True
+        except OSError:
+            return False
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for g in groups:
+            try:
+                os.killpg(g, sig)
+            except OSError:
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end and any(alive(g) for g in groups):
+            time.sleep(0.2)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+"""
 
 # Servers must not outlive the interpreter even when a caller forgets the context manager.
 _LIVE: list[TeacherServers] = []

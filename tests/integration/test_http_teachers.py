@@ -407,3 +407,36 @@ def test_no_server_left_running(servers, world):
             if str(world["dir"]) in cmd:
                 left.append((proc.name, cmd[:120]))
     assert not left, left
+
+
+@e2e_vllm
+def test_servers_die_with_a_sigkilled_parent(world, tmp_path):
+    """The process that started the servers is SIGKILLed (no atexit, no finally): the watchdog takes them down."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "orphan"
+    script = (
+        "import sys, time\n"
+        "from mopd_core.teachers.serving import TeacherServers\n"
+        f"ts = TeacherServers({{'m0': {str(world['m0'])!r}}}, {str(run)!r}, max_seq_len={MAX_SEQ}, "
+        f"python={str(VLLM_PY)!r}, startup_timeout_s=600)\n"
+        "ts.start(); print('ready', flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        import json
+
+        pid = json.loads((run / "endpoints.json").read_text())["m0"]["pid"]
+        assert _group_alive(pid)
+        p.kill()
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while (_group_alive(pid) or (run / ".server-groups.json").exists()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _group_alive(pid), "the vLLM server outlived its SIGKILLed parent"
+        assert not (run / ".server-groups.json").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
