@@ -333,16 +333,7 @@ class TeacherServers:
             if s.dead():
                 return
             log.warning("teacher '%s' server (pid %s) stopped answering /health; killing it", teacher_id, s.pid)
-            for g in s.pgids:
-                try:
-                    os.killpg(g, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if s.proc is not None:
-                try:
-                    s.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+            self._kill(s, grace_s=0)
 
     def restart(self, teacher_id: str) -> str:
         """Restart a dead server (same port when free); returns its URL. Bounded by `restarts` per teacher."""
@@ -364,15 +355,17 @@ class TeacherServers:
             return s.url
 
     # -- tear-down -------------------------------------------------------------------------------------------
-    def _kill(self, s: TeacherServer) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after the grace period, reap."""
+    def _kill(self, s: TeacherServer, grace_s: float | None = None) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after the grace period, reap. `grace_s=0`:
+        SIGKILL at once (a stopped/hung process would not act on SIGTERM)."""
+        grace = self.stop_grace_s if grace_s is None else grace_s
         pgids = [g for g in s.pgids if _alive_group(g)]
-        for g in pgids:
+        for g in pgids if grace > 0 else []:
             try:
                 os.killpg(g, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + self.stop_grace_s
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_alive_group(g) for g in pgids):
             if s.proc is not None:
                 s.proc.poll()

@@ -7,14 +7,7 @@ from __future__ import annotations
 import pytest
 
 
-def _accelerator() -> str | None:
-    from mopd_core.runtime.device import cuda_available, npu_available
-
-    if cuda_available():
-        return "cuda"
-    if npu_available():
-        return "npu"
-    return None
+from device_common import accelerator as _accelerator  # noqa: E402 — one definition for conftest and checks
 
 
 def pytest_collection_modifyitems(config, items):
