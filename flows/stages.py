@@ -101,7 +101,7 @@ def serve_teachers_flow(teacher_refs: dict[str, str], student: str, config: str 
 
     def body(parent):
         # refresh=True: start the servers whatever a student stage in that folder says
-        served = serve_teachers_task(cfg, trefs, refs["student"], parent, True)
+        served = serve_teachers_task(cfg, trefs, refs["student"], parent, True, for_mopd=False)
         t0 = time.monotonic()
         try:
             if served["started"] and keep_running_s > 0:

@@ -110,7 +110,7 @@ def _manifest_md(mode: str, manifest: Mapping[str, Mapping[str, Any]], note: str
 
 @task(name="serve_teachers", task_run_name="serve-teachers", **RETRY)
 def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str | None = None,
-                        refresh: bool = False) -> dict:
+                        refresh: bool = False, for_mopd: bool = True) -> dict:
     """Make every teacher reachable for scoring and check it against the student, before any training.
 
     `served` mode starts one vLLM server per expert (`mopd_core.recipe.start_teacher_servers`: tokenizer
@@ -118,7 +118,8 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     after), logs the endpoint manifest and every server's log to this task's `serve-teachers` MLflow run and
     publishes a Markdown artifact teacher → url/model/max_model_len/pid. No server starts when the mopd task will
     reuse a finished student stage (`refresh` = the student is retrained: always start). The caller must call
-    `stop_teachers(result)` (a flow's `finally`).
+    `stop_teachers(result)` (a flow's `finally`). `for_mopd=False` (the serve-teachers flow): some teachers may
+    be served alone, so not every domain needs one.
 
     Returns `{"teachers": {domain: ref}, "manifest": path | None, "mode", "started", "run_id"}`; `teachers`
     feeds the mopd task's inputs (its cache key), `manifest` its `endpoints` argument."""
@@ -160,7 +161,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
             note = f"no server started: {why}"
             tracking.set_tags(run_id, {"mopd.teachers_started": "false", "mopd.teachers_skipped": why[:5000]})
         elif mode == "served":
-            servers = R.start_teacher_servers(cfg, paths, student_path, servers_dir(cfg))
+            servers = R.start_teacher_servers(cfg, paths, student_path, servers_dir(cfg), for_mopd=for_mopd)
             manifest_path = str(servers.manifest_path)
             _register(manifest_path, servers)
             manifest = servers.manifest()

@@ -52,16 +52,32 @@ def short_overrides(out_dir: Path, name: str = "t", mopd_steps: int = 3, mopd_sa
     ]
 
 
-def drive(tmp: Path, ops: list[dict], env: dict, timeout: float = 600, tag: str = "drive") -> list[dict]:
+def drive_start(tmp: Path, ops: list[dict], env: dict, tag: str = "drive") -> tuple[subprocess.Popen, Path, Path]:
+    """Start the driver on `ops` without waiting (for tests that act while a flow runs); `drive_results` reads
+    what it wrote."""
     spec, out = tmp / f"{tag}-spec.json", tmp / f"{tag}-out.json"
     spec.write_text(json.dumps({"ops": ops}))
     log = tmp / f"{tag}.log"
     with log.open("w") as f:
-        p = subprocess.run([PY, str(ROOT / "tests/e2e/driver.py"), str(spec), str(out)], cwd=ROOT, env=env,
-                           stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        p = subprocess.Popen([PY, str(ROOT / "tests/e2e/driver.py"), str(spec), str(out)], cwd=ROOT, env=env,
+                             stdout=f, stderr=subprocess.STDOUT)
+    return p, out, log
+
+
+def drive_results(p: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> list[dict]:
+    p.wait(timeout=timeout)
     if not out.exists():
         raise AssertionError(f"driver exited {p.returncode} without results; log:\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
+
+
+def drive(tmp: Path, ops: list[dict], env: dict, timeout: float = 600, tag: str = "drive") -> list[dict]:
+    p, out, log = drive_start(tmp, ops, env, tag)
+    try:
+        return drive_results(p, out, log, timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
 
 
 def mlflow_client(uri: str):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import (ROOT, drive, isolated_env, mlflow_client, pid_alive, runs_of, short_overrides,
-                               vllm_processes)
+from tests.e2e.helpers import (ROOT, drive, drive_results, drive_start, isolated_env, mlflow_client, pid_alive,
+                               runs_of, short_overrides, vllm_processes)
 
 VLLM_PY = Path(os.environ.get("MOPD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 TEACHERS = ("math", "code", "if")
@@ -167,5 +167,57 @@ def test_serve_teachers_flow_is_a_checked_start_and_stop(second_runs):
     e = out["endpoints"]["if"]
     assert e["url"].startswith("http://127.0.0.1:") and e["model"] and not pid_alive(e["pid"])
     assert _states(run["flow_run"])["stop-teachers"] == "Completed"
+    assert procs == {"procs": [], "registered": 0}, procs
+    assert vllm_processes(str(tmp)) == []
+
+
+@pytest.fixture(scope="module")
+def killed_run(recipe_run):
+    """The mopd flow on the recipe's registered models (4 steps, teachers.restarts=1); once its student has
+    logged step 2, the test SIGKILLs the `math` server's process group (pid from the serve-teachers manifest)."""
+    import signal
+    import time
+
+    tmp, env, _ = recipe_run
+    kw = {"config": "tiny", "overrides": _http(tmp) + ["mopd.steps=4", "mopd.save_every=1", "teachers.restarts=1"],
+          "init": "models:/t-sft/1", "teacher_refs": {t: f"models:/t-expert-{t}/1" for t in TEACHERS},
+          "refresh": True}
+    t0 = time.time()
+    p, out, log = drive_start(tmp, [{"op": "run", "flow": "mopd", "kwargs": kw},
+                                    {"op": "vllm_procs", "needle": str(tmp)}], env, tag="killed")
+    killed = None
+    try:
+        deadline = time.monotonic() + 600
+        while killed is None and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            fresh = lambda pat: [f for f in tmp.glob(pat) if f.stat().st_mtime >= t0]  # noqa: E731
+            manifests, metrics = fresh("runs/t/stages/**/serve-teachers/endpoints.json"), fresh(
+                "runs/t/stages/**/student/metrics.jsonl")
+            if not manifests or not metrics:
+                continue
+            rows = [json.loads(x) for x in metrics[0].read_text().splitlines() if x.strip()]
+            if rows and rows[-1]["step"] >= 2:
+                killed = json.loads(manifests[0].read_text())["math"]["pid"]
+                os.killpg(killed, signal.SIGKILL)
+        res = drive_results(p, out, log, timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return tmp, env, killed, res
+
+
+def test_killed_server_mid_mopd_restarts_and_mlflow_shows_it(killed_run):
+    tmp, env, killed, (run, procs) = killed_run
+    assert killed, f"the student never reached step 2; log:\n{(tmp / 'killed.log').read_text()[-3000:]}"
+    assert run["ok"], (run.get("error"), (tmp / "killed.log").read_text()[-4000:])
+    assert _states(run["flow_run"])["mopd"] == "Completed"
+    c = mlflow_client(env["MLFLOW_TRACKING_URI"])
+    student = c.get_run(run["result"]["run_id"])  # the mopd flow returns the stage's result (its MLflow run)
+    assert student.info.status == "FINISHED"
+    assert json.loads(student.data.tags["mopd.teacher_restarts"]) == {"math": 1, "code": 0, "if": 0}
+    hist = c.get_metric_history(student.info.run_id, "teacher/math/restarts")
+    assert sum(m.value for m in hist) == 1 and {m.step for m in hist} == {1, 2, 3, 4}
+    assert sum(m.value for m in c.get_metric_history(student.info.run_id, "teacher/if/restarts")) == 0
+    assert not pid_alive(killed)
     assert procs == {"procs": [], "registered": 0}, procs
     assert vllm_processes(str(tmp)) == []
