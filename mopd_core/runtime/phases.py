@@ -162,10 +162,11 @@ class PhaseScheduler:
     def rollout(self):
         with self.phase("rollout"):
             if self.engine is not None:
-                wake = getattr(self.engine, "wake", None)
-                if wake:
-                    wake()
+                # the engine wakes itself in two halves: `sync_weights` wakes only its weight memory (writing into
+                # slept memory crashes vllm-ascend), `generate` the KV cache — so no blanket wake() here
                 sync = getattr(self.engine, "sync_weights", None)
+                if sync is None and getattr(self.engine, "wake", None):
+                    self.engine.wake()
                 if sync:
                     t0 = time.perf_counter()
                     rep = sync(self.model)
