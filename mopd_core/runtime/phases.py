@@ -224,5 +224,6 @@ class PhaseScheduler:
         return out
 
     def summary(self) -> str:
-        return (f"{self.placement}: at most {self.max_teachers_resident} teacher(s) resident at once; "
-                f"student weights {self.param_bytes / MB:.3g} MiB")
+        who = (f"at most {self.max_teachers_resident} teacher(s) resident at once" if self.teachers is not None
+               else "no teachers")
+        return f"{self.placement}: {who}; student weights {self.param_bytes / MB:.3g} MiB"

@@ -224,11 +224,12 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             m.update(devlib.memory_stats(dinfo.kind))
             m.update(phases.end_step())
             if step == start:  # once per run: what each phase holds (MLflow has the series)
-                log.info("%s: %s memory per phase (MiB held on the device: rollout %.3g, score %.3g, train %.3g; "
-                         "measured %s)", stage, recipe.runtime.placement, m.get("mem/rollout/resident_mb", 0.0),
-                         m.get("mem/score/resident_mb", 0.0), m.get("mem/train/resident_mb", 0.0),
-                         ", ".join(f"{k.split('/')[1]} {v:.0f}" for k, v in m.items()
-                                   if k.startswith("mem/") and k.count("/") == 2 and not k.endswith("resident_mb")))
+                held = ", ".join(f"{p} {m[f'mem/{p}/resident_mb']:.3g}" for p in ("rollout", "score", "train")
+                                 if f"mem/{p}/resident_mb" in m)
+                measured = ", ".join(f"{k.split('/')[1]} {v:.0f}" for k, v in m.items()
+                                     if k.startswith("mem/") and k.count("/") == 2 and not k.endswith("resident_mb"))
+                log.info("%s: %s memory per phase (MiB held on the device: %s; measured %s)", stage,
+                         recipe.runtime.placement, held, measured)
 
             done = step + 1
             if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
