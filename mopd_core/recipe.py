@@ -252,8 +252,10 @@ def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path], studen
     `endpoints`: teachers already running — a `serving.TeacherServers` (restarts dead servers) or a manifest
     (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped."""
     if endpoints is not None and recipe.teachers.backend != "http":
-        raise ValueError("teacher endpoints were given but teachers.backend is "
-                         f"'{recipe.teachers.backend}' — set teachers.backend=http")
+        from .teachers import TeacherError
+
+        raise TeacherError("teacher endpoints were given but teachers.backend is "
+                           f"'{recipe.teachers.backend}' — set teachers.backend=http")
     external = endpoints if endpoints is not None else recipe.teachers.endpoints  # TRL teacher_server_urls style
     if recipe.teachers.routing == "domain":  # before any server starts or model loads
         from .teachers import check_routing
