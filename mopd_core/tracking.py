@@ -276,17 +276,20 @@ def log_datasets(run_id: str, recipe, domains: Iterable[str], context: str = "tr
 # ---------------------------------------------------------------- plots
 
 
+# file → (key prefix, title[, key suffix]): a prefix ending in "/" plots every key under it (minus the suffix)
 _PLOTS = {
     "reward": ("reward/", "reward per domain"),
     "teacher_token_frac": ("teacher_token_frac/", "teacher token fraction"),
     "reverse_kl": ("reverse_kl/", "reverse KL (ℓ^old − ℓᵀ) per teacher"),
+    "teacher_score_s": ("teacher/", "teacher scoring seconds per step", "/score_s"),
+    "phase_memory": ("mem/", "MiB held on the device per phase", "/resident_mb"),
     "loss": ("loss", "loss"),
 }
 
 
 def plot_metrics(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """PNG line plots of the step metrics present: reward per domain, teacher token fraction and reverse KL
-    per teacher, loss. Returns the files written."""
+    """PNG line plots of the step metrics present: reward per domain, teacher token fraction, reverse KL and
+    scoring seconds per teacher, memory held per phase, loss. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,16 +298,17 @@ def plot_metrics(rows: list[dict], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for fname, (key, title) in _PLOTS.items():
-        keys = sorted({k for r in rows for k in r if (k.startswith(key) if key.endswith("/") else k == key)
-                       and _finite(r[k])})
+    for fname, (key, title, *suffix) in _PLOTS.items():
+        end = suffix[0] if suffix else ""
+        keys = sorted({k for r in rows for k in r if (k.startswith(key) and k.endswith(end) if key.endswith("/")
+                                                      else k == key) and _finite(r[k])})
         if not keys:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for k in keys:
             pts = [(r.get("step", i), r[k]) for i, r in enumerate(rows) if _finite(r.get(k))]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None,
-                    label=k.removeprefix(key) or k)
+                    label=k.removeprefix(key).removesuffix(end) or k)
         ax.set_xlabel("step")
         ax.set_title(title)
         if len(keys) > 1 or key.endswith("/"):

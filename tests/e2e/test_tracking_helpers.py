@@ -34,6 +34,11 @@ def test_plots_from_step_metrics(tmp_path):
              "teacher_token_frac/math": 0.5, "reverse_kl/math": 0.3} for s in range(1, 5)]
     files = {p.name for p in tracking.plot_metrics(rows, tmp_path)}
     assert files == {"loss.png", "reward.png", "teacher_token_frac.png", "reverse_kl.png"}
+    for r in rows:  # a MOPD stage also has per-teacher scoring time and per-phase memory
+        r.update({"teacher/math/score_s": 0.2, "teacher/math/tokens": 40, "mem/train/resident_mb": 20.8,
+                  "mem/score/resident_mb": 10.4, "mem/train/host_rss_mb": 900.0})
+    files = {p.name for p in tracking.plot_metrics(rows, tmp_path)}
+    assert {"teacher_score_s.png", "phase_memory.png"} <= files
 
 
 def test_refs_metrics_tail_and_stale_runs(store):
