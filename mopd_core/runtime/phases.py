@@ -64,19 +64,20 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str) -> dict[str, float]:
     """Pre-flight (before any compute): the largest phase must fit the budget. Returns the phase needs (MiB).
 
-    train = weights + gradients + optimizer state (AdamW: 2 moments → factor 2); score = student weights + one
-    teacher (offloaded teachers) or all of them (`teachers.offload: false` keeps every teacher resident)."""
+    train = weights + gradients + optimizer state (AdamW: 2 moments → factor 2). Colocated, the optimizer state
+    and gradients are offloaded after training, so rollout holds the weights and score the weights + one teacher;
+    disaggregated, every phase keeps the training state. `teachers.offload: false` keeps every teacher resident
+    in every phase."""
     w = student_bytes / MB
-    need = {"train": w * (2 + optimizer_factor), "rollout": w}
-    if teacher_bytes:
-        tb = {n: b / MB for n, b in teacher_bytes.items()}
-        if teachers_offload and placement == "colocated":
-            big = max(tb, key=tb.get)
-            need[f"score ({big})"] = w + tb[big]
-        else:  # every teacher stays loaded next to the student
-            resident = sum(tb.values())
-            need = {k: v + resident for k, v in need.items()}
-            need["score (all teachers)"] = w + resident
+    trainer = w * (2 + optimizer_factor)
+    held = w if placement == "colocated" else trainer  # what rollout/score hold of the student
+    tb = {n: b / MB for n, b in teacher_bytes.items()}
+    always = 0.0 if teachers_offload else sum(tb.values())
+    need = {"train": trainer + always, "rollout": held + always}
+    if tb:
+        big = max(tb, key=tb.get)
+        need[f"score ({big})" if teachers_offload else "score (all teachers)"] = held + (tb[big] if teachers_offload
+                                                                                         else always)
     budget = device_budget_mb(kind, limit_gib)
     if budget is not None:
         phase = max(need, key=need.get)

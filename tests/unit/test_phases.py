@@ -1,0 +1,34 @@
+"""The colocated memory pre-flight: each phase's need from tensor sizes, per placement and teacher offload."""
+
+from __future__ import annotations
+
+import pytest
+
+from mopd_core.runtime.phases import ColocationError, check_colocated_fit
+
+MB = 2**20
+
+
+def _need(placement, offload, limit_gib=None):
+    return check_colocated_fit(kind="cpu", limit_gib=limit_gib, student_bytes=100 * MB, optimizer_factor=2.0,
+                               teacher_bytes={"math": 80 * MB, "code": 120 * MB}, teachers_offload=offload,
+                               placement=placement)
+
+
+def test_phase_needs_per_placement():
+    # colocated + offload: train 4w; rollout w; score w + the largest teacher
+    assert _need("colocated", True) == {"train": 400, "rollout": 100, "score (code)": 220}
+    # disaggregated: the training state stays through every phase
+    assert _need("disaggregated", True) == {"train": 400, "rollout": 400, "score (code)": 520}
+    # no offload: both teachers resident in every phase
+    assert _need("colocated", False) == {"train": 600, "rollout": 300, "score (all teachers)": 300}
+
+
+def test_over_budget_names_phase_and_fix():
+    budget = 450 / 1024  # GiB: colocated+offload (max 400 MiB) fits, no offload (600) does not
+    _need("colocated", True, budget)
+    with pytest.raises(ColocationError) as e:
+        _need("colocated", False, budget)
+    msg = str(e.value)
+    assert "phase 'train' needs 0.586 GiB" in msg and "budget is 0.439 GiB" in msg and "2 teacher(s) all " \
+        "resident (teachers.offload=false)" in msg and "\n" not in msg
