@@ -30,17 +30,22 @@ try {
   await page.screenshot({ path: shot.replace(/\.png$/, '-form.png'), fullPage: true });
   await page.getByRole('button', { name: 'Submit' }).click();
   log('submitted');
-  await page.waitForTimeout(3000);
-  const problems = await page.locator('text=/is not of type|is required|invalid|must be/i').allInnerTexts();
-  if (problems.length) log('form problems:', JSON.stringify(problems.slice(0, 10)));
-  const toasts = await page.locator('[data-sonner-toast]').allInnerTexts().catch(() => []);
-  if (toasts.length) log('toasts:', JSON.stringify(toasts));
   const onRun = /flow-run\/[0-9a-f-]{36}/;
-  await page.waitForURL(onRun, { timeout: 15000, waitUntil: 'commit' }).catch(async () => {
-    // the new UI stays on the form and shows a toast "<name> scheduled to start now · View run"
-    await page.getByText('View run').last().click();
-    await page.waitForURL(onRun, { timeout: 60000, waitUntil: 'commit' });
-  });
+  // the new UI stays on the form and shows a toast "<name> scheduled to start now · View run" for a few seconds:
+  // click it while it is there (waiting first lets the toast expire); older UIs navigate to the run themselves
+  const viewRun = page.locator('[data-sonner-toast]').getByText('View run').last();
+  await Promise.race([
+    page.waitForURL(onRun, { timeout: 30000, waitUntil: 'commit' }),
+    viewRun.waitFor({ timeout: 30000 }).then(async () => {
+      log('toasts:', JSON.stringify(await page.locator('[data-sonner-toast]').allInnerTexts().catch(() => [])));
+      await viewRun.click({ timeout: 5000 });
+    }),
+  ]).catch((e) => log('no run link yet:', e.message.split('\n')[0]));
+  if (!onRun.test(page.url())) {
+    const problems = await page.locator('text=/is not of type|is required|invalid|must be/i').allInnerTexts();
+    if (problems.length) log('form problems:', JSON.stringify(problems.slice(0, 10)));
+    await page.waitForURL(onRun, { timeout: 30000, waitUntil: 'commit' });
+  }
   const runUrl = page.url();
   log('flow run page', runUrl);
   const deadline = Date.now() + Number(process.env.UI_RUN_TIMEOUT_MS || 480000);
