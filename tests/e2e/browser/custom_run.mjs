@@ -17,6 +17,15 @@ await context.route('**/*', (route) => {
   return ['127.0.0.1', 'localhost'].includes(u.hostname) || u.protocol === 'data:' ? route.continue() : route.abort();
 });
 const page = await context.newPage();
+// the deployment's flow runs, newest first (Prefect REST API beside the UI)
+async function deploymentRuns() {
+  const r = await fetch(`${base}/api/flow_runs/filter`, {
+    method: 'POST', headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ deployments: { id: { any_: [deploymentId] } }, sort: 'EXPECTED_START_TIME_DESC', limit: 50 }),
+  });
+  if (!r.ok) throw new Error(`flow run filter: HTTP ${r.status}`);
+  return r.json();
+}
 page.setDefaultTimeout(60000);
 try {
   await page.goto(`${base}/v2/deployments/deployment/${deploymentId}`, { waitUntil: 'domcontentloaded' });
@@ -28,6 +37,7 @@ try {
   await field.waitFor();
   await field.fill(value);
   await page.screenshot({ path: shot.replace(/\.png$/, '-form.png'), fullPage: true });
+  const runsBefore = new Set((await deploymentRuns()).map((r) => r.id));
   await page.getByRole('button', { name: 'Submit' }).click();
   log('submitted');
   const onRun = /flow-run\/[0-9a-f-]{36}/;
@@ -44,7 +54,16 @@ try {
   if (!onRun.test(page.url())) {
     const problems = await page.locator('text=/is not of type|is required|invalid|must be/i').allInnerTexts();
     if (problems.length) log('form problems:', JSON.stringify(problems.slice(0, 10)));
-    await page.waitForURL(onRun, { timeout: 30000, waitUntil: 'commit' });
+    // the form submitted but the UI did not take us to the run (toast gone or missed): find the run the submit
+    // created through the API and open its page
+    let created = null;
+    for (let i = 0; i < 30 && !created; i++) {
+      created = (await deploymentRuns()).find((r) => !runsBefore.has(r.id)) || null;
+      if (!created) await page.waitForTimeout(2000);
+    }
+    if (!created) throw new Error('the submit created no flow run of the deployment');
+    log('run found through the API', created.id);
+    await page.goto(`${base}/v2/runs/flow-run/${created.id}`, { waitUntil: 'domcontentloaded' });
   }
   const runUrl = page.url();
   log('flow run page', runUrl);
