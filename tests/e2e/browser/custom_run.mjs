@@ -57,7 +57,7 @@ try {
     // the form submitted but the UI did not take us to the run (toast gone or missed): find the run the submit
     // created through the API and open its page
     let created = null;
-    for (let i = 0; i < 30 && !created; i++) {
+    for (let i = 0; i < 60 && !created; i++) {  // up to 2 min: a loaded server can be slow to create it
       created = (await deploymentRuns()).find((r) => !runsBefore.has(r.id)) || null;
       if (!created) await page.waitForTimeout(2000);
     }
