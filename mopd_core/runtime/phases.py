@@ -44,14 +44,6 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(st.values()) for st in opt.state.values())
 
 
-def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    # `step` counters stay where they are (AdamW keeps them on CPU unless capturable); only moments move
-    for st in opt.state.values():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != device:
-                st[k] = v.to(device, non_blocking=True)
-
-
 def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
     """The memory the colocated phases may use: `runtime.memory_limit_gib` when set, else the device's total."""
     if limit_gib is not None:
@@ -203,14 +195,14 @@ class PhaseScheduler:
             self._record("train", "updated")  # the phase's peak: weights + gradients + optimizer state
             if self.colocated:  # the next phases need neither: give the memory to the rollout engine/teachers
                 self.model.zero_grad(set_to_none=True)
-                _move_optimizer_state(self.opt, torch.device("cpu"))
+                devlib.offload_optimizer(self.opt, "cpu")
                 self.opt_on_device = False
                 devlib.empty_cache(self.kind)
 
     def restore(self) -> None:
         """Put the optimizer state back on the device (before checkpointing or at the end of the stage)."""
         if not self.opt_on_device:
-            _move_optimizer_state(self.opt, self.device)
+            devlib.offload_optimizer(self.opt, self.device)
             self.opt_on_device = True
 
     def end_step(self) -> dict[str, float]:
