@@ -11,7 +11,7 @@ def _collect() -> tuple[type[BaseException], ...]:
     from .domains import DomainError
     from .models import ModelError
     from .rollout.engines import RolloutBackendError
-    from .runtime.cluster import ClusterError
+    from .distributed.cluster import ClusterError
     from .runtime.phases import ColocationError
     from .teachers import TeacherError
     from .train.checkpoint import StageStateError

@@ -1,1 +1,1 @@
-"""Runtime: the device layer (`device`) — later also the Ray cluster helpers."""
+"""Runtime: the device layer (`device`) and the colocated phase scheduler (`phases`)."""

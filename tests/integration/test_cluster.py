@@ -1,4 +1,4 @@
-"""The Ray runtime (`mopd_core.runtime.cluster`) on real Ray and real gloo, no mocks: 2 data-parallel training
+"""The Ray runtime (`mopd_core.distributed.cluster`) on real Ray and real gloo, no mocks: 2 data-parallel training
 workers on CPU bundles update the tiny student exactly like a single process on the whole batch, hand their
 weights to the rollout instances by collective broadcast, and those sample the same tokens as a single-process
 run with the same weights and seed. The NPU placement path is exercised through Ray logical resources (no NPU
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from mopd_core.runtime.cluster import ClusterError, ClusterSpec, WorkerGroup, init_ray
+from mopd_core.distributed.cluster import ClusterError, ClusterSpec, WorkerGroup, init_ray
 
 ray = pytest.importorskip("ray")
 
@@ -55,7 +55,7 @@ def _fixed_batch(path):
     from mopd_core.algorithms import grpo_advantages
     from mopd_core.models import load_model, load_tokenizer
     from mopd_core.rollout import HFRollout
-    from mopd_core.runtime.cluster import Prompt
+    from mopd_core.distributed.cluster import Prompt
 
     model, tok = load_model(path), load_tokenizer(path)
     batch = HFRollout(model, tok, "cpu").generate([Prompt(p) for p in PROMPTS], max_new_tokens=6,
@@ -83,7 +83,7 @@ def _reference_samples(path, state, prompts, seed):
     """Single-process HFRollout samples of `prompts` with weights `state` and generator seed `seed`."""
     from mopd_core.models import load_model, load_tokenizer
     from mopd_core.rollout import HFRollout
-    from mopd_core.runtime.cluster import Prompt
+    from mopd_core.distributed.cluster import Prompt
 
     model, tok = load_model(path), load_tokenizer(path)
     model.load_state_dict(state)
@@ -241,7 +241,7 @@ def test_importing_mopd_core_does_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, mopd_core, mopd_core.runtime.cluster, mopd_core.weights, mopd_core.rollout; "
+    code = ("import sys, mopd_core, mopd_core.distributed.cluster, mopd_core.weights, mopd_core.rollout; "
             "assert 'ray' not in sys.modules and 'prefect' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 

@@ -272,7 +272,7 @@ class _Worker:
     def __init__(self, rank: int, spec: ClusterSpec, model_path: str) -> None:
         """Runs first in the actor process: visible devices (before torch touches the device), threads."""
         from ..models import quiet_hf
-        from . import device as devlib
+        from ..runtime import device as devlib
 
         quiet_hf()  # as the recipe does in the driver: no per-load progress bars from N workers
         self.rank, self.spec, self.model_path = rank, spec, model_path
@@ -317,7 +317,7 @@ class _Worker:
         """Where this worker runs: pid, rank, device, backend, the visible-devices variable Ray/we set."""
         import ray
 
-        from . import device as devlib
+        from ..runtime import device as devlib
 
         var = self.dinfo.visible_devices_env
         kind_var = devlib.visible_devices_env(self.spec.kind)
