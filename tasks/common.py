@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from mopd_core import tracking
+from . import tracking
 
 # config sections that determine each stage's result (the engine's fingerprints use the same ones)
 STAGE_SECTIONS = {

@@ -8,8 +8,7 @@ from typing import Any, Mapping
 
 from prefect import get_run_logger, task
 
-from mopd_core import tracking
-
+from . import tracking
 from .common import ParameterError, RegressionError, artifact_key
 from .stages import _prefect_tags
 

@@ -13,8 +13,7 @@ from typing import Any, Callable, Mapping
 from prefect import get_run_logger, task
 from prefect.context import get_run_context
 
-from mopd_core import tracking
-
+from . import tracking
 from .common import (STAGE_SECTIONS, cache_key_fn, eval_table, local_path, metrics_summary, prepare_stage_dir,
                      publish_stage, refs_cache_dir, retry_transient, stage_key, write_sidecar)
 

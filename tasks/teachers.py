@@ -25,8 +25,7 @@ from typing import Any, Mapping
 
 from prefect import get_run_logger, task
 
-from mopd_core import tracking
-
+from . import tracking
 from .common import SIDECAR, local_path, publish_stage, refs_cache_dir, stage_key
 from .stages import RETRY, _prefect_tags
 

@@ -66,7 +66,7 @@ def champion_check(op: dict) -> dict:
     compare_to_champion task, as the full recipe runs it."""
     from prefect import flow
 
-    from mopd_core import tracking
+    from tasks import tracking
     from tasks.runs import build_config, compare_to_champion
 
     @flow(name="champion-check")

@@ -64,7 +64,7 @@ def test_registered_models_carry_lineage(two_runs):
     import os
 
     os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
-    from mopd_core import tracking
+    from tasks import tracking
 
     for name in ("t-sft", "t-expert-math", "t-expert-code", "t-expert-if", "t-student"):
         assert str(tracking.model_version(f"models:/{name}/1").version) == "1"

@@ -1,4 +1,4 @@
-"""mopd_core.tracking on a throw-away SQLite store (no Prefect): references, champion deltas, plots, metric
+"""tasks.tracking on a throw-away SQLite store (no Prefect): references, champion deltas, plots, metric
 streaming, and closing runs whose process died."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mopd_core import tracking
+from tasks import tracking
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ INPUT_TAG_PREFIX = "input."
 _PARAM_VALUE_MAX = 6000
 _LOCK = threading.RLock()  # SQLite stores dislike concurrent writers; stages run in threads of one process
 _CLIENTS: dict[str, Any] = {}
-PACKAGE_DIR = Path(__file__).resolve().parent
+# The engine's source: what `code_version` hashes and where `git_sha` asks git (this module sits beside it).
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "mopd_core"
 
 
 class ModelRefError(ValueError):
@@ -165,7 +166,7 @@ def log_params(run_id: str, params: Mapping[str, Any], uri: str | None = None) -
 def stage_params(recipe, sections: Iterable[str], inputs: Mapping[str, str] | None = None,
                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Flattened config sections + `input.<name>` references + seed + code version + git sha."""
-    from .config import flatten
+    from mopd_core.config import flatten
 
     dump = recipe.model_dump(mode="json")
     out: dict[str, Any] = {"name": recipe.name, "seed": recipe.seed, "code_version": code_version(),
