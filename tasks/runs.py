@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 
 from . import tracking
 from .common import ParameterError, RegressionError, artifact_key
-from .stages import _prefect_tags
+from .context import prefect_tags
 
 
 def build_config(config: str, overrides: list[str] | None, sections: Mapping[str, Any],
@@ -133,7 +133,7 @@ def open_recipe_run(cfg, flow: str, extra_params: Mapping[str, Any] | None = Non
     closed = tracking.reap_stale_runs(cfg.name, is_alive=_is_alive_via_prefect)
     if closed:
         logger.info("closed %d MLflow run(s) left RUNNING by a killed process: %s", len(closed), closed)
-    run_id = tracking.start_run(cfg.name, f"{flow}", None, tags={"mopd.flow": flow, **_prefect_tags()})
+    run_id = tracking.start_run(cfg.name, f"{flow}", None, tags={"mopd.flow": flow, **prefect_tags()})
     tracking.log_params(run_id, {**flatten(cfg.model_dump(mode="json")), "code_version": tracking.code_version(),
                                  "git_sha": tracking.git_sha(), **(extra_params or {})})
     logger.info("MLflow parent run: %s", tracking.run_url(run_id))

@@ -11,31 +11,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from prefect import get_run_logger, task
-from prefect.context import get_run_context
 
 from . import tracking
 from .common import (STAGE_SECTIONS, cache_key_fn, eval_table, local_path, metrics_summary, prepare_stage_dir,
-                     publish_stage, refs_cache_dir, retry_transient, stage_key, write_sidecar)
+                     publish_stage, refs_cache_dir, stage_key, write_sidecar)
+from .context import RETRY, prefect_tags
+from .teachers import live_teachers, record_restarts
 
-RETRY = dict(retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=retry_transient)
 CACHED = dict(cache_key_fn=cache_key_fn, persist_result=True, **RETRY)
-
-
-def _prefect_tags() -> dict[str, str]:
-    tags = {}
-    try:
-        ctx = get_run_context()
-        tr = getattr(ctx, "task_run", None)
-        if tr is not None:
-            tags["prefect.task_run_id"] = str(tr.id)
-            tags["prefect.flow_run_id"] = str(tr.flow_run_id)
-        fr = getattr(ctx, "flow_run", None)
-        if fr is not None:
-            tags["prefect.flow_run_id"] = str(fr.id)
-            tags["prefect.flow_run_name"] = fr.name
-    except Exception:  # noqa: BLE001 - outside a run context (direct calls in tests)
-        pass
-    return tags
 
 
 def _last_checkpoint_step(stage_dir: Path) -> int:
@@ -66,7 +49,7 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         logger.info("%s: resuming from the checkpoint of step %d", label, resumed)
     setup_runtime(cfg)
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
-                                tags={"mopd.stage": label, "mopd.cache_key": key, **_prefect_tags()})
+                                tags={"mopd.stage": label, "mopd.cache_key": key, **prefect_tags()})
     link = out = None
     try:
         link = tracking.run_url(run_id)
@@ -165,8 +148,6 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
     key (ports and pids are no identity of the student)."""
     from mopd_core import recipe as R
 
-    from .teachers import live_teachers, record_restarts
-
     live = live_teachers(endpoints)
 
     def engine(local: dict):
@@ -197,7 +178,7 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
     key = stage_key(stage, cfg, inputs)
     R.setup_runtime(cfg)
     run_id = tracking.start_run(cfg.name, "evaluate", parent_run_id,
-                                tags={"mopd.stage": "evaluate", "mopd.cache_key": key, **_prefect_tags()})
+                                tags={"mopd.stage": "evaluate", "mopd.cache_key": key, **prefect_tags()})
     try:
         tracking.log_params(run_id, tracking.stage_params(cfg, STAGE_SECTIONS["evaluate"],
                                                           {k: v["ref"] for k, v in inputs.items()}))

@@ -27,7 +27,7 @@ from prefect import get_run_logger, task
 
 from . import tracking
 from .common import SIDECAR, local_path, publish_stage, refs_cache_dir, stage_key
-from .stages import RETRY, _prefect_tags
+from .context import RETRY, prefect_tags
 
 _LIVE: dict[str, Any] = {}  # manifest path → started serving.TeacherServers
 _LIVE_LOCK = threading.Lock()
@@ -128,7 +128,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     logger = get_run_logger()
     mode = _mode(cfg)
     run_id = tracking.start_run(cfg.name, "serve-teachers", parent_run_id,
-                                tags={"mopd.stage": "serve-teachers", "mopd.teachers_mode": mode, **_prefect_tags()})
+                                tags={"mopd.stage": "serve-teachers", "mopd.teachers_mode": mode, **prefect_tags()})
     servers, manifest_path, manifest, note = None, None, {}, ""
     link = None
     try:
