@@ -66,7 +66,7 @@ def full_recipe(
         args = ("sft", cfg, {}, parent, is_fresh("sft"))
         s = _present(sft_task, opts(sft_task, "sft", "sft")(*args), *args)
         stages = {"sft": s}
-        domains = cfg.expert.domains or cfg.domain_names()
+        domains = cfg.expert_domains()
         eargs = {d: (f"expert:{d}", cfg, {"init": as_ref(s)}, parent, is_fresh(f"expert-{d}")) for d in domains}
         if experts_concurrently(cfg, concurrent_experts):
             futs = {d: opts(expert_task, f"expert-{d}", f"expert-{d}").submit(*eargs[d]) for d in domains}

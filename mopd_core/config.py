@@ -267,6 +267,25 @@ class RecipeConfig(_Model):
     def domain_names(self) -> list[str]:
         return [d.name for d in self.data.domains]
 
+    def expert_domains(self) -> list[str]:
+        """The domains that get an expert (each then a teacher): `expert.domains`, else every data domain."""
+        return list(self.expert.domains or self.domain_names())
+
+    def prompt_mix(self, stage_cfg: SFTConfig | PolicyLoopConfig) -> dict[str, float]:
+        """The domain mix {domain: weight} a stage samples from: that stage's own `mix` (`stage_cfg` is
+        `self.sft`, `self.expert`, `self.mopd` or a copy of one), else the data weights."""
+        return dict(stage_cfg.mix) if stage_cfg.mix else {d.name: d.weight for d in self.data.domains}
+
+    def mix_weights(self, stage_cfg: SFTConfig | PolicyLoopConfig, section: str, names: list[str]) -> list[float]:
+        """`prompt_mix` as sampling weights in the order of `names`; a ConfigError naming `<section>.mix` (or
+        the data weights) when every one is 0 (random.choices would fail with a bare ValueError)."""
+        table = self.prompt_mix(stage_cfg)
+        w = [float(table.get(n, 0.0)) for n in names]
+        if sum(w) <= 0:
+            where = f"{section}.mix" if stage_cfg.mix else "data.domains[].weight"
+            raise ConfigError(f"{where} gives zero weight to every domain of {names}; set a weight > 0")
+        return w
+
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
 

@@ -373,11 +373,11 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
     base = base_model(recipe)
     outputs["sft"] = sft_stage(recipe, base, progress)
     log.info("sft done in %.0fs", outputs["sft"].wall_s)
-    for d in recipe.expert.domains or recipe.domain_names():
+    for d in recipe.expert_domains():
         out = expert_stage(recipe, d, outputs["sft"].model_dir, progress)
         outputs[out.stage] = out
         log.info("%s done in %.0fs", out.stage, out.wall_s)
-    teachers = {d: outputs[f"expert-{d}"].model_dir for d in recipe.expert.domains or recipe.domain_names()}
+    teachers = {d: outputs[f"expert-{d}"].model_dir for d in recipe.expert_domains()}
     outputs["student"] = mopd_stage(recipe, outputs["sft"].model_dir, teachers, progress)
     log.info("student done in %.0fs", outputs["student"].wall_s)
     if baseline:

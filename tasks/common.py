@@ -206,5 +206,5 @@ def experts_concurrently(cfg, requested: bool | None) -> bool:
         return False
     if kind != "cpu":
         return True
-    n = len(cfg.expert.domains or cfg.domain_names())
+    n = len(cfg.expert_domains())
     return cfg.runtime.num_threads == 1 and (os.cpu_count() or 1) >= n

@@ -69,7 +69,7 @@ def check_teacher_domains(cfg, teacher_domains: list[str], param: str) -> None:
         if t not in known:
             raise ParameterError(f"parameter '{param}': teacher '{t}' is no domain of the recipe; known: {known}")
     if cfg.mopd.w_kd > 0 and cfg.teachers.routing == "domain":
-        mix = cfg.mopd.mix or {d.name: d.weight for d in cfg.data.domains}
+        mix = cfg.prompt_mix(cfg.mopd)
         missing = [d for d in known if mix.get(d, 0) > 0 and d not in teacher_domains]
         if missing:
             raise ParameterError(f"parameter '{param}': domain(s) {missing} have no expert/teacher but the student "
@@ -96,7 +96,7 @@ def validate_parameters(flow: str, config: str, overrides: list[str] | None, sec
     if flow == "mopd":
         check_teacher_domains(cfg, list(teachers), "teacher_refs")
     if flow == "full-recipe":
-        check_teacher_domains(cfg, list(cfg.expert.domains or cfg.domain_names()), "expert.domains")
+        check_teacher_domains(cfg, cfg.expert_domains(), "expert.domains")
     stages = {"sft", "student", "evaluate", "all", *[f"expert-{d}" for d in cfg.domain_names()]}
     for r in refresh or []:
         if r not in stages:
