@@ -22,16 +22,12 @@ CACHED = dict(cache_key_fn=cache_key_fn, persist_result=True, **RETRY)
 
 
 def _last_checkpoint_step(stage_dir: Path) -> int:
-    from mopd_core.train.checkpoint import checkpoint_dirs, read_stage
+    from mopd_core.train.checkpoint import last_checkpoint_step, read_stage
 
     info = read_stage(stage_dir) or {}
     if info.get("status") == "done":
         return 0
-    ck = checkpoint_dirs(stage_dir)
-    if ck:
-        return int(ck[-1].name.split("-")[1])
-    trainer = sorted((stage_dir / "trainer").glob("checkpoint-*")) if (stage_dir / "trainer").exists() else []
-    return int(trainer[-1].name.split("-")[1]) if trainer else 0
+    return last_checkpoint_step(stage_dir)
 
 
 def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str, Any]], parent_run_id: str | None,

@@ -86,7 +86,24 @@ def checkpoint_dirs(stage_dir: Path) -> list[Path]:
         return []
     dirs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and
             (d / "loop_state.pt").exists()]
-    return sorted(dirs, key=lambda d: int(d.name.split("-")[1]))
+    return sorted(dirs, key=checkpoint_step)
+
+
+def checkpoint_step(ckpt: str | Path) -> int:
+    """The step a checkpoint folder holds, from its name: the loop's `step-000012`, TRL's `checkpoint-12`."""
+    return int(Path(ckpt).name.split("-")[1])
+
+
+def trainer_checkpoints(stage_dir: str | Path) -> list[Path]:
+    """TRL's checkpoints of an SFT stage (`<stage>/trainer/checkpoint-N`), oldest first (by step, not name)."""
+    root = Path(stage_dir) / "trainer"
+    return sorted(root.glob("checkpoint-*"), key=checkpoint_step) if root.exists() else []
+
+
+def last_checkpoint_step(stage_dir: str | Path) -> int:
+    """The step of a stage's newest checkpoint (the loop's, else TRL's); 0 when it has none."""
+    ck = checkpoint_dirs(stage_dir) or trainer_checkpoints(stage_dir)
+    return checkpoint_step(ck[-1]) if ck else 0
 
 
 def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None,

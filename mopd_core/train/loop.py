@@ -30,8 +30,8 @@ from ..rollout import RolloutBatch, completion_logprobs
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
 from ..runtime.phases import PhaseScheduler, check_colocated_fit
-from .checkpoint import (StageStateError, checkpoint_dirs, claim_stage, load_loop_state, read_stage,
-                         save_checkpoint, write_stage)
+from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
+                         read_stage, save_checkpoint, write_stage)
 from .progress import StageProgress
 
 
@@ -115,7 +115,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     ckpts = checkpoint_dirs(stage_dir)
     start = 0
     model_src = init_path
-    if ckpts and int(ckpts[-1].name.split("-")[1]) > loop_cfg.steps:
+    if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
         raise StageStateError(f"{stage_dir} already trained {ckpts[-1].name.split('-')[1].lstrip('0')} steps, "
                               f"more than the {loop_cfg.steps} asked for; pass --restart or choose another name")
     if ckpts:  # resume — also extends a finished stage when only `steps` grew

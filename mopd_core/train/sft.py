@@ -18,7 +18,7 @@ from ..config import RecipeConfig
 from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained
 from ..runtime import device as devlib
-from .checkpoint import claim_stage, read_stage, write_stage
+from .checkpoint import checkpoint_step, claim_stage, read_stage, trainer_checkpoints, write_stage
 from .loop import NonFiniteLossError, sample_prompts
 from .progress import StageProgress
 
@@ -121,7 +121,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
     trainer.remove_callback(PrinterCallback)  # our callback logs; the printer would dump raw dicts
     resume = _last_trainer_ckpt(stage_dir)
     if resume:
-        _truncate(metrics_path, int(Path(resume).name.split("-")[1]))
+        _truncate(metrics_path, checkpoint_step(resume))
     try:
         trainer.train(resume_from_checkpoint=resume)
     finally:
@@ -130,8 +130,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
 
 
 def _last_trainer_ckpt(stage_dir: Path) -> str | None:
-    root = stage_dir / "trainer"
-    cks = sorted(root.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])) if root.exists() else []
+    cks = trainer_checkpoints(stage_dir)
     return str(cks[-1]) if cks else None
 
 

@@ -240,7 +240,7 @@ def test_killed_teacher_server_is_restarted_and_stage_finishes(world, tmp_path):
 def test_killed_teacher_server_without_restarts_fails_keeping_last_checkpoint(world, tmp_path):
     from mopd_core.models import load_model
     from mopd_core.teachers import TeacherError
-    from mopd_core.train.checkpoint import checkpoint_dirs, load_loop_state
+    from mopd_core.train.checkpoint import checkpoint_dirs, checkpoint_step, load_loop_state
 
     cfg = _cfg(tmp_path, "teachers.restarts=0")
     stage_dir = cfg.run_dir() / "student"
@@ -261,7 +261,7 @@ def test_killed_teacher_server_without_restarts_fails_keeping_last_checkpoint(wo
     ckpts = checkpoint_dirs(stage_dir)
     assert ckpts, "no checkpoint kept"
     last = ckpts[-1]
-    step = int(last.name.split("-")[1])
+    step = checkpoint_step(last)
     assert killer.killed_after_step <= step < STEPS and load_loop_state(last)["step"] == step
     assert last.name in killer.hashes and _hash_dir(last) == killer.hashes[last.name]  # untouched since written
     for name in killer.ckpts_at_kill:  # and what existed before the kill was not rewritten
