@@ -55,12 +55,10 @@ class LoopResult:
     stage_dir: Path | None = None
 
 
-def _mix(loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, names: list[str]) -> list[float]:
-    table = loop_cfg.mix or {d.name: d.weight for d in recipe.data.domains}
-    w = [float(table.get(n, 0.0)) for n in names]
-    if sum(w) <= 0:
-        raise ValueError(f"prompt mix gives zero weight to every domain of {names}; set mix weights > 0")
-    return w
+def _section(loop_cfg: PolicyLoopConfig) -> str:
+    from ..config import MOPDConfig
+
+    return "mopd" if isinstance(loop_cfg, MOPDConfig) else "expert"
 
 
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
@@ -107,7 +105,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     if teachers is not None:  # pre-flight before any compute: tokenizers and routing
         teachers.check(tokenizer_fingerprint(tokenizer), list(domains))
     names = list(domains)
-    weights = _mix(loop_cfg, recipe, names)
+    weights = recipe.mix_weights(loop_cfg, _section(loop_cfg), names)
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
     if info and info.get("status") == "done" and info.get("steps") == loop_cfg.steps:  # brought back from aside
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)

@@ -33,8 +33,7 @@ class SFTResult:
 def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[dict]:
     cfg = recipe.sft
     names = list(domains)
-    table = cfg.mix or {d.name: d.weight for d in recipe.data.domains}
-    weights = [float(table.get(n, 0.0)) for n in names]
+    weights = recipe.mix_weights(cfg, "sft", names)
     n = cfg.num_examples or max(1, cfg.steps * cfg.batch_size)
     rng = random.Random(f"{recipe.seed}/sft")
     rows = []
