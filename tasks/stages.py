@@ -152,7 +152,7 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
                             endpoints=live if live is not None else endpoints)
 
     def on_end(run_id: str, out) -> None:
-        manifest = getattr(out, "teachers", None) or (live.manifest() if live is not None else None)
+        manifest = (out.teachers if out is not None else None) or (live.manifest() if live is not None else None)
         counts = record_restarts(run_id, manifest)
         if any(counts.values()):
             get_run_logger().warning("teacher server restarts during the stage: %s", counts)

@@ -150,7 +150,31 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
 
 
-class HFRollout:
+class RolloutEngine:
+    """What the loop and the phase scheduler ask of a rollout engine (`HFRollout`, `engines.VllmRollout`):
+    `generate`, the weight hand-over `sync_weights(model) -> report`, and `sleep` / `wake` / `close`, which
+    an engine holding no memory of its own leaves as these no-ops."""
+
+    def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
+                 batch_size: int | None = None) -> RolloutBatch:
+        raise NotImplementedError
+
+    def sync_weights(self, model=None) -> dict:
+        """Hand the trainer's current weights to the engine; returns a report (`bytes_copied`, `seconds`, …)."""
+        raise NotImplementedError
+
+    def sleep(self, level: int | None = None) -> None:
+        """Give the device memory back between rollouts (colocated placement)."""
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory `sleep` gave back."""
+
+    def close(self) -> None:
+        """Release the engine for good (end of the stage)."""
+
+
+class HFRollout(RolloutEngine):
     """`rollout.backend: hf` — samples from the trainer's own module (colocated by construction: the weight
     hand-over is the identity, zero bytes copied)."""
 

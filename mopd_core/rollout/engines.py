@@ -68,7 +68,7 @@ import torch
 from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
-from . import HFRollout, RolloutBatch, encode_prompts
+from . import HFRollout, RolloutBatch, RolloutEngine, encode_prompts
 
 BACKENDS = ("hf", "vllm")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
@@ -210,7 +210,7 @@ def _request_seeds(n: int, generator: torch.Generator | None) -> list[int]:
     return torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist()
 
 
-class VllmRollout:
+class VllmRollout(RolloutEngine):
     """`rollout.backend: vllm` — an in-process vLLM engine with its own copy of the student's weights.
 
     `model`: the trainer's module (source of `sync_weights` and, through `model.name_or_path`, of the checkpoint

@@ -109,8 +109,7 @@ class PhaseScheduler:
     def _loaded_teachers(self) -> list[str]:
         if self.teachers is None:
             return []
-        return [n for n, t in self.teachers.teachers.items() if getattr(t, "resident", False)
-                and hasattr(t, "param_bytes")]
+        return [n for n, t in self.teachers.teachers.items() if t.resident]
 
     def resident(self) -> dict[str, float]:
         """MiB this process holds on the compute device, by owner."""
@@ -157,28 +156,23 @@ class PhaseScheduler:
             if self.engine is not None:
                 # the engine wakes itself in two halves: `sync_weights` wakes only its weight memory (writing into
                 # slept memory crashes vllm-ascend), `generate` the KV cache — so no blanket wake() here
-                sync = getattr(self.engine, "sync_weights", None)
-                if sync is None and getattr(self.engine, "wake", None):
-                    self.engine.wake()
-                if sync:
-                    t0 = time.perf_counter()
-                    rep = sync(self.model)
-                    self._step_metrics["perf/weight_sync_s"] = time.perf_counter() - t0
-                    if isinstance(rep, dict) and "bytes_copied" in rep:
-                        self._step_metrics["weights/bytes_copied"] = float(rep["bytes_copied"])
+                t0 = time.perf_counter()
+                rep = self.engine.sync_weights(self.model)
+                self._step_metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+                if isinstance(rep, dict) and "bytes_copied" in rep:
+                    self._step_metrics["weights/bytes_copied"] = float(rep["bytes_copied"])
             try:
                 yield
             finally:
-                sleep = getattr(self.engine, "sleep", None) if self.engine is not None else None
-                if sleep and self.colocated:
-                    sleep()
+                if self.engine is not None and self.colocated:
+                    self.engine.sleep()
 
     @contextmanager
     def teacher(self, name: str):
         """One teacher's turn (entered by the router around each in-process teacher): it is loaded first, so the
         start record shows it resident next to the student; it unloads itself when it has scored."""
         t = self.teachers.teachers[name] if self.teachers is not None else None
-        if t is not None and hasattr(t, "load"):
+        if t is not None:
             t.load()
         with self.phase("score", teacher=name):
             yield

@@ -31,8 +31,41 @@ class TeacherScore:
     topk_logp: torch.Tensor | None = None  # [B,T,k]
 
 
-class LocalTeacher:
+class Teacher:
+    """What the router, the phase scheduler and the loop ask of a scorer (`LocalTeacher`, `http.HttpTeacher`):
+    `name`, `path` (for messages), the tokenizer `fingerprint`, counters `stats`, and `score`. The defaults
+    describe a teacher whose model lives elsewhere (a server): nothing in this process to load, count or keep
+    resident; `close` releases what it holds here (clients, pools)."""
+
+    name: str
+    path: str
+    stats: dict
+    fingerprint: str | None = None
+    in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
+    param_bytes = 0     # bytes of those weights
+
+    @property
+    def resident(self) -> bool:
+        """Whether its weights occupy the scoring device of this process now."""
+        return False
+
+    def load(self) -> None:
+        """Bring the weights to the device before a turn (no-op without in-process weights)."""
+
+    def unload(self) -> None:
+        """Give the device memory back after a turn (no-op without in-process weights)."""
+
+    def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the scorer holds in this process; a server it talks to is not touched."""
+
+
+class LocalTeacher(Teacher):
     """In-process teacher. With `offload`, weights live in CPU memory and visit the device only to score."""
+
+    in_process = True
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None):
@@ -149,7 +182,7 @@ class TeacherRouter:
         """Score each (teacher, rows) job. In-process teachers go one after another, each inside `visit(name)`
         (the colocated phase scheduler loads one teacher at a time); remote (http) teachers are independent
         servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one."""
-        local = [n for n, _ in jobs if isinstance(self.teachers[n], LocalTeacher)]
+        local = [n for n, _ in jobs if self.teachers[n].in_process]
         if len(jobs) > 1 and not local:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="router") as ex:
                 futs = [ex.submit(self.teachers[n].score, b, top_k) for n, b in jobs]
@@ -197,7 +230,7 @@ class TeacherRouter:
                            {n: (all_rows, scores[k]) for k, n in enumerate(self.names)})
 
     def stats(self) -> dict[str, dict]:
-        return {n: dict(getattr(t, "stats", {})) for n, t in self.teachers.items()}
+        return {n: dict(t.stats) for n, t in self.teachers.items()}
 
 
 def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32") -> TeacherRouter:

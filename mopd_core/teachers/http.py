@@ -28,7 +28,7 @@ import torch
 
 from ..models import ModelError, load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch
-from . import TeacherError, TeacherRouter, TeacherScore
+from . import Teacher, TeacherError, TeacherRouter, TeacherScore
 
 # Text whose ids must match between the student tokenizer and every teacher server (`POST /tokenize`):
 # every printable ASCII character, words, the synthetic domains' prompt shapes.
@@ -54,7 +54,7 @@ def _one_line(text: str, limit: int = 300) -> str:
     return s if len(s) <= limit else s[:limit] + "…"
 
 
-class HttpTeacher:
+class HttpTeacher(Teacher):
     """A teacher behind a vLLM OpenAI-compatible server. Same interface as `LocalTeacher`:
     `name`, `path`, `fingerprint`, `stats`, `score(batch, top_k=0) -> TeacherScore`."""
 
@@ -131,7 +131,7 @@ class HttpTeacher:
         """A supervised server that times out a request and does not answer /health is hung: kill it, so the
         dead-server path restarts it instead of retrying into the same silence."""
         sup = self.supervisor
-        if sup is None or not hasattr(sup, "is_hung") or not sup.is_hung(self.name):
+        if sup is None or not sup.is_hung(self.name):
             return False
         sup.kill_hung(self.name)
         return True
@@ -214,7 +214,7 @@ class HttpTeacher:
         """Per-token log-probs of every completion token (and its top-k). Retries transient failures; if the
         server process died, the supervisor restarts it and the whole batch is scored again."""
         t0 = time.perf_counter()
-        if self.supervisor is not None and hasattr(self.supervisor, "url_of"):
+        if self.supervisor is not None:
             self.url = (self.supervisor.url_of(self.name) or self.url).rstrip("/")  # moved after a restart?
         attempt = 0
         while True:
@@ -226,8 +226,8 @@ class HttpTeacher:
                 if sup is None or not sup.is_dead(self.name):
                     raise
                 if attempt >= self.restarts:
-                    log_of = getattr(sup, "log_of", None)
-                    where = f"; log: {log_of(self.name)}" if log_of is not None and log_of(self.name) else ""
+                    log_path = sup.log_of(self.name)
+                    where = f"; log: {log_path}" if log_path else ""
                     spent = (f"its {self.restarts} restart(s) are spent" if self.restarts
                              else "no restart is allowed")
                     raise TeacherUnavailable(f"{e}; {spent} (teachers.restarts={self.restarts}{where})") from None
@@ -328,7 +328,9 @@ def _entries(endpoints_or_manifest) -> tuple[dict[str, dict], Any]:
     """Normalise `{id: url}`, `{id: {url, …}}`, a manifest path or a `TeacherServers` into entries + supervisor."""
     supervisor = None
     src = endpoints_or_manifest
-    if hasattr(src, "manifest") and hasattr(src, "is_dead"):  # serving.TeacherServers
+    from .serving import TeacherServers  # not at the top: serving imports this module
+
+    if isinstance(src, TeacherServers):
         supervisor, src = src, src.manifest()
     elif isinstance(src, (str, Path)):
         src = load_manifest(src)
@@ -360,14 +362,13 @@ def build_http_router(endpoints_or_manifest, cfg, student_tokenizer, *, supervis
     supervisor = supervisor or sup
     student_fp = tokenizer_fingerprint(student_tokenizer)
     teachers: dict[str, HttpTeacher] = {}
-    g = lambda name, default: getattr(cfg, name, default)  # noqa: E731 — tolerate older configs
     try:
         for tid, e in entries.items():
             t = HttpTeacher(
                 tid, e["url"], model=e.get("model"), checkpoint=e.get("checkpoint"), fingerprint=e.get("fingerprint"),
-                temperature=cfg.temperature, max_concurrency=g("max_concurrency", 4),
-                request_batch_size=g("request_batch_size", 8), request_timeout_s=g("request_timeout_s", 120.0),
-                retries=g("retries", 3), restarts=g("restarts", 2) if supervisor is not None else 0,
+                temperature=cfg.temperature, max_concurrency=cfg.max_concurrency,
+                request_batch_size=cfg.request_batch_size, request_timeout_s=cfg.request_timeout_s,
+                retries=cfg.retries, restarts=cfg.restarts if supervisor is not None else 0,
                 supervisor=supervisor, max_model_len=e.get("max_model_len"))
             teachers[tid] = t
             t.check_tokenizer(student_tokenizer)

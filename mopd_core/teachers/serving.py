@@ -155,6 +155,7 @@ class TeacherServers:
         self.manifest_path = self.run_dir / "endpoints.json"
         self._lock = threading.RLock()
         self._stopped = False
+        self._watchdog: subprocess.Popen | None = None  # started with the first server (`_guard`)
         devices = dict(devices or {})
         self.servers: dict[str, TeacherServer] = {}
         for tid, ckpt in checkpoints.items():
@@ -390,7 +391,7 @@ class TeacherServers:
                     list(ex.map(self._kill, live))
             _unregister(self)
             self.groups_path.unlink(missing_ok=True)  # the watchdog sees it gone and exits
-            wd = getattr(self, "_watchdog", None)
+            wd = self._watchdog
             if wd is not None:
                 try:
                     wd.wait(timeout=5)
@@ -410,7 +411,7 @@ class TeacherServers:
         tmp = self.groups_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(groups))
         tmp.replace(self.groups_path)
-        if getattr(self, "_watchdog", None) is None or self._watchdog.poll() is not None:
+        if self._watchdog is None or self._watchdog.poll() is not None:
             self._watchdog = subprocess.Popen(
                 [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.groups_path)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -131,7 +131,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             sched.load_state_dict(st["scheduler"])
     engine = build_rollout(recipe, model, tokenizer, device)
     in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
-                  if hasattr(t, "param_bytes")}
+                  if t.in_process}
     check_colocated_fit(kind=dinfo.kind, limit_gib=recipe.runtime.memory_limit_gib,
                         student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                         optimizer_factor=2.0, teacher_bytes=in_process,
@@ -248,9 +248,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     finally:
         bar.close()
         phases.restore()
-        close = getattr(engine, "close", None)
-        if close:  # a vLLM engine releases its device memory; the HF engine has nothing to close
-            close()
+        engine.close()  # a vLLM engine releases its device memory; the HF engine has nothing to close
 
     log.info("%s: %s", stage, phases.summary())
     last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
