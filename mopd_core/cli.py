@@ -7,7 +7,9 @@
     mopd stage eval   --config tiny --model sft=PATH --model student=PATH
     mopd config show  --config tiny [--set ...]
 
-Bad input exits with status 2 and one line naming the problem, before any compute.
+Bad input (a `MopdError`) exits with status 2 and one line `error: <message>` naming the problem and the fix,
+before any compute (`MOPD_TRACEBACK=1` adds the traceback). Anything else — a bug, a failure of the
+infrastructure — keeps its traceback and exits 1.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    out = {}
+    from .errors import ConfigError
+
+    out: dict[str, str] = {}
     for it in items:
-        if "=" not in it:
-            raise ValueError(f"{flag} '{it}' must look like NAME=PATH")
-        k, v = it.split("=", 1)
+        k, sep, v = it.partition("=")
+        k, v = k.strip(), v.strip()
+        if not sep or not k or not v:
+            raise ConfigError(f"{flag} '{it}' must look like NAME=PATH (e.g. {flag} math=runs/tiny/expert-math/final)")
+        if k in out:
+            raise ConfigError(f"{flag} {k}= is given twice ({out[k]} and {v}); give each name once")
         out[k] = v
     return out
 
@@ -62,20 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("transformers", "httpx", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .errors import MopdError, one_line
+
     try:
         return _run(args)
-    except Exception as e:  # user-facing errors: one line, exit 2; real bugs keep their traceback
-        from .errors import NAMED_ERRORS, USER_ERRORS
+    except MopdError as e:  # the user's input: one line, exit 2; everything else propagates with its traceback
+        if os.environ.get("MOPD_TRACEBACK"):
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
 
-        if isinstance(e, USER_ERRORS) and not os.environ.get("MOPD_TRACEBACK"):
-            hint = "" if isinstance(e, NAMED_ERRORS) else " (MOPD_TRACEBACK=1 shows where it was raised)"
-            print(f"error: {e}{hint}", file=sys.stderr)
-            return 2
-        raise
+
+_STAGE_FLAGS = {"sft": ("base",), "expert": ("domain", "init"), "mopd": ("init", "teacher"), "eval": ("model",),
+                "all": ("base", "domain", "init", "teacher", "model")}
 
 
 def _run(args) -> int:
     from .config import load_config
+    from .errors import ConfigError
 
     cfg = load_config(args.config, args.overrides)
     progress = not args.no_progress
@@ -84,6 +95,19 @@ def _run(args) -> int:
 
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
+    if args.cmd == "stage":  # the command line itself, checked before anything is set up
+        given = [k for k in _STAGE_FLAGS["all"] if getattr(args, k)]
+        wrong = [k for k in given if k not in _STAGE_FLAGS[args.stage]]
+        if wrong:  # silently ignoring e.g. `--teacher` on `stage eval` would run something else than asked
+            takes = ", ".join(f"--{k}" for k in _STAGE_FLAGS[args.stage])
+            raise ConfigError(f"--{wrong[0]} is no option of `mopd stage {args.stage}` (it takes {takes})")
+        teachers, models = _pairs(args.teacher, "--teacher"), _pairs(args.model, "--model")
+        if args.stage == "expert" and not (args.domain and args.init):
+            raise ConfigError("mopd stage expert needs --domain NAME and --init PATH")
+        if args.stage == "mopd" and not (args.init and teachers):
+            raise ConfigError("mopd stage mopd needs --init PATH and one --teacher ID=PATH per domain")
+        if args.stage == "eval" and not models:
+            raise ConfigError("mopd stage eval needs at least one --model LABEL=PATH")
     from . import recipe as R
 
     R.setup_runtime(cfg)
@@ -96,19 +120,12 @@ def _run(args) -> int:
     if args.stage == "sft":
         out = R.sft_stage(cfg, args.base, progress)
     elif args.stage == "expert":
-        if not args.domain or not args.init:
-            raise ValueError("mopd stage expert needs --domain NAME and --init PATH")
         out = R.expert_stage(cfg, args.domain, args.init, progress)
     elif args.stage == "mopd":
-        if not args.init or not args.teacher:
-            raise ValueError("mopd stage mopd needs --init PATH and one --teacher ID=PATH per domain")
-        out = R.mopd_stage(cfg, args.init, _pairs(args.teacher, "--teacher"), progress)
+        out = R.mopd_stage(cfg, args.init, teachers, progress)
     else:
         from .evaluation import accuracy_table
 
-        models = _pairs(args.model, "--model")
-        if not models:
-            raise ValueError("mopd stage eval needs at least one --model LABEL=PATH")
         acc = R.eval_stage(cfg, models)
         print(accuracy_table(acc, "greedy", cfg.domain_names()))
         print(json.dumps(acc))

@@ -16,11 +16,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import ConfigError  # noqa: F401 - config.ConfigError stays the public name
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line naming the field and the fix."""
 
 
 class _Model(BaseModel):
@@ -288,6 +286,16 @@ class RecipeConfig(_Model):
 
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    def max_seq_len(self, eval: bool = False) -> int:
+        """Prompt + completion — the one place it is computed: the longest sequence the student samples and a
+        teacher scores (`data.max_prompt_tokens + rollout.max_new_tokens`); `eval=True`: the longest it generates
+        at evaluation too (`eval.max_new_tokens` may be larger). A model needs one position more (SFT appends
+        EOS, a teacher server generates one token)."""
+        new = self.rollout.max_new_tokens
+        if eval:
+            new = max(new, self.eval.max_new_tokens or new)
+        return self.data.max_prompt_tokens + new
 
 
 # ---------------------------------------------------------------- loading, overrides, hashing

@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import preflight
 from .config import RecipeConfig, stage_fingerprint
+from .errors import ConfigError
 from .domains import build_domain
 from .runtime import device as devlib
 
@@ -122,6 +124,7 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
     from .train.sft import run_sft
 
     t0 = time.perf_counter()
+    preflight.check_stage(recipe, "sft", student=base)  # before the tiny base is built or any folder made
     base = base or base_model(recipe)
     domains = build_domains(recipe)
     fp = sft_fingerprint(recipe, base)
@@ -138,7 +141,8 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
     t0 = time.perf_counter()
     all_domains = build_domains(recipe)
     if domain not in all_domains:
-        raise ValueError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
+        raise ConfigError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
+    preflight.check_stage(recipe, f"expert-{domain}", student=init, domains=all_domains)
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     fp = expert_fingerprint(recipe, domain, init)
     name = f"expert-{domain}"
@@ -157,7 +161,7 @@ TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights"
 
 def teacher_max_seq_len(recipe: RecipeConfig) -> int:
     """The longest sequence a teacher scores: the student's prompt + completion budget (servers need one more)."""
-    return recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+    return recipe.max_seq_len()
 
 
 def close_router(router) -> None:
@@ -326,6 +330,8 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                  done.get("steps"), fp, stage_dir)
         return StageOutput(stage_name, stage_dir / "final", stage_dir, done.get("eval", {}),
                            time.perf_counter() - t0, [])
+    preflight.check_stage(recipe, stage_name, student=student_init, teachers=teachers, domains=domains,
+                          endpoints=endpoints)
     router, servers = (build_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints)
                        if recipe.mopd.w_kd > 0 else (None, None))
     try:
@@ -355,6 +361,7 @@ def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path]) -> dict[str,
     from .train.loop import evaluate_checkpoint
 
     domains = build_domains(recipe)
+    preflight.check_stage(recipe, "eval", models=models, domains=domains)
     return {label: evaluate_checkpoint(path, recipe, domains) for label, path in models.items()}
 
 
@@ -366,6 +373,7 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
     setup_runtime(recipe)
     run_dir = recipe.run_dir()
     build_domains(recipe)  # validates every data source before any compute
+    preflight.check_stage(recipe, "recipe")  # the base model, context, prompt lengths, output_dir
     if restart and run_dir.exists():
         shutil.rmtree(run_dir)
     outputs: dict[str, StageOutput] = {}

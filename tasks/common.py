@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -107,20 +108,35 @@ _TRANSIENT_TEXT = ("database is locked", "connection refused", "connection reset
                    "timed out", "503", "502", "504", "too many requests")
 
 
+# a Ray worker/node lost; httpx's transport failures (connection refused/reset, timeouts) — matched by name so
+# that neither library is imported here
+_RAY_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
+             "ObjectLostError", "OwnerDiedError", "LocalRayletDiedError", "RaySystemError", "GetTimeoutError"}
+# OSErrors that a retry cannot fix: a path, a permission, a full or read-only disk
+_PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST,
+                    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG}
+
+
 def is_transient(exc: BaseException | None) -> bool:
-    """Network/service hiccups are retried; user errors (config, data, references), diverged training and bugs
-    are not."""
-    from mopd_core.errors import USER_ERRORS
+    """Retried: `InfraError` (a teacher server gone after its restarts, a lost worker, the tracking store down)
+    and connection/timeout failures. Never retried: `MopdError` (the user's input — config, data, models,
+    teachers, a full disk, diverged training), flow-parameter and regression errors, and bugs."""
+    from mopd_core.errors import InfraError, MopdError
 
     if exc is None:
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, (ParameterError, RegressionError)) or isinstance(exc, USER_ERRORS):
+    if isinstance(exc, (MopdError, ParameterError, RegressionError)):
         return False
-    if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
-                                                          NotADirectoryError)):
+    if isinstance(exc, (InfraError, ConnectionError, TimeoutError)):
         return True
+    mro = type(exc).__mro__
+    if any(c.__name__ == "TransportError" and c.__module__.startswith("httpx") for c in mro):
+        return True
+    if any(c.__name__ in _RAY_LOST and c.__module__.startswith("ray") for c in mro):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno not in _PERMANENT_ERRNO and not isinstance(
+            exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
     text = str(exc).lower()
     return type(exc).__name__ in ("MlflowException", "RestException", "OperationalError") and any(
         t in text for t in _TRANSIENT_TEXT)

@@ -85,11 +85,12 @@ def validate_parameters(flow: str, config: str, overrides: list[str] | None, sec
     """Everything a flow can check before any stage: the preset, overrides, section fields, model references
     and teacher domains. Returns (config, {param: ref}, {domain: ref})."""
     cfg = build_config(config, overrides, sections, top)
+    from mopd_core.errors import MopdError
     from mopd_core.recipe import build_domains
 
     try:
         build_domains(cfg)  # data sources load and their teacher_ids are known domains
-    except ValueError as e:
+    except MopdError as e:  # DataError/ConfigError: the user's data; anything else is a bug and propagates
         raise ParameterError(f"parameter 'config' (data.domains): {e}") from None
     checked = {k: check_ref(k, v) for k, v in (refs or {}).items()}
     teachers = {d: check_ref(f"teacher_refs.{d}", r) for d, r in (teacher_refs or {}).items()}

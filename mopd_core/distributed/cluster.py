@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..errors import PlacementError, WorkerLostError
 from ..weights import DEFAULT_BUCKET_BYTES
 
 #: Ray resource each device kind binds per bundle.
@@ -53,7 +54,7 @@ TRANSPORTS = ("collective", "cuda_ipc", "shared_memory")
 _SHARE = 0.5
 
 
-class ClusterError(ValueError):
+class ClusterError(PlacementError):
     """Bad cluster input or a cluster that cannot host the request; one line naming the field and the fix."""
 
 
@@ -248,8 +249,8 @@ def _gather(refs: Sequence[Any], timeout_s: float, what: str) -> list[Any]:
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise ClusterError(f"{what} did not finish within {timeout_s:g}s (a worker is stuck or gone); "
-                               "stop the group and check the worker logs")
+            raise WorkerLostError(f"{what} did not finish within {timeout_s:g}s (a worker is stuck or gone); "
+                                  "stop the group and check the worker logs")
         ray.get(ready[0])
     return ray.get(list(refs))
 

@@ -13,8 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import DataError
 
-class DomainError(ValueError):
+
+class DomainError(DataError):
     """Bad domain input (source, params, dataset file, row). The message is one line naming the field, file or
     row, and the fix."""
 

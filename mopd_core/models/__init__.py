@@ -4,10 +4,14 @@ tokenizers so that the student and every teacher provably share a vocabulary.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
+import math
 import string
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -15,15 +19,12 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, TinyModelConfig
+from ..errors import ModelError  # noqa: F401 - models.ModelError stays the public name
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Printable ASCII without the whitespace control characters: every synthetic domain (and plain-English user
 # prompts) tokenize to one id per character, so vLLM and transformers agree on ids trivially.
 TINY_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " "
-
-
-class ModelError(ValueError):
-    """Bad model or tokenizer input; one line naming the path and the fix."""
 
 
 def quiet_hf() -> None:
@@ -88,22 +89,63 @@ def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
-    """Write weights + tokenizer atomically (tmp dir, then rename) so a crash never leaves half a model."""
+    """Write weights + tokenizer atomically: into `<out>.tmp`, then renamed over `out`, so a crash or a full disk
+    never leaves half a model and never touches the previous `out` (a failed write removes only the temp dir;
+    ENOSPC is a `DiskFullError` naming the disk)."""
+    import shutil
+
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    old = out.with_name(out.name + ".old")
+    with writing(tmp, f"the model {out}"):
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    # swap: the previous `out` moves aside first, so at every instant one complete model lies at out or out.old
     if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
     tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def disk_full_error(path: str | Path, what: str, exc: OSError | None = None):
+    """The one-line `DiskFullError` for `path`: which disk, how much is free (and what failed)."""
+    import shutil
+
+    from ..errors import DiskFullError
+
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = f"{shutil.disk_usage(p).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    why = f" ({exc.strerror})" if exc is not None and exc.strerror else ""
+    return DiskFullError(f"disk full writing {what}{why}: the disk holding {p} has {free} — free disk space or "
+                         "set output_dir to a larger disk; the previous checkpoint and final/ are intact")
+
+
+@contextmanager
+def writing(tmp: Path, what: str):
+    """Around a write into the temp dir `tmp`: on any failure remove `tmp` (only it); a full disk becomes a
+    `DiskFullError` naming the disk and its free space."""
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise disk_full_error(tmp, what, e) from e
+        raise
 
 
 def load_tokenizer(path_or_id: str | Path, trust_remote_code: bool = False):
@@ -124,15 +166,32 @@ def load_model(path_or_id: str | Path, device: torch.device | str = "cpu", dtype
                trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
+    from safetensors import SafetensorError
+
     p = Path(str(path_or_id))
     if p.exists() and p.is_dir() and not (p / "config.json").exists():
         raise ModelError(f"'{p}' is not a model checkpoint (no config.json) — give a save_pretrained dir")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path_or_id), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    except SafetensorError as e:  # a truncated or corrupt weights file
+        raise ModelError(f"cannot load model from '{path_or_id}': its safetensors weights are truncated or corrupt "
+                         f"({_first_line(e)}) — re-save the checkpoint or copy it again") from None
+    except RuntimeError as e:
+        if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise  # not about the checkpoint's contents: a bug keeps its traceback
+        raise ModelError(f"cannot load model from '{path_or_id}': its weights do not match its config.json (tensor "
+                         "shapes differ) — use the config the weights were saved with, or re-save the "
+                         "checkpoint") from None
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load model from '{path_or_id}': {str(e).splitlines()[0]}") from None
+        raise ModelError(f"cannot load model from '{path_or_id}': {_first_line(e)} — give a save_pretrained "
+                         "checkpoint dir (config.json, model.safetensors, tokenizer)") from None
     return model.to(device)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def load_model_and_tokenizer(path_or_id: str | Path, device="cpu", dtype="float32", trust_remote_code=False):
@@ -176,3 +235,121 @@ def forward(model, input_ids, attention_mask=None, position_ids=None, cache: Any
 
 def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- cheap checks of a checkpoint dir (pre-flight)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    config: dict
+    num_params: int | None  # from the weight headers; None for .bin weights
+    context: int | None     # positions the model supports (config.json), None if it does not say
+
+
+def is_local_path(path_or_id: str | Path) -> bool:
+    """A local path rather than a hub id (`org/name`): it exists, is absolute or relative (`./`, `../`), or has
+    more than two parts — a missing `runs/tiny/sft/final` is a wrong path, not a model to download."""
+    s = str(path_or_id)
+    return Path(s).exists() or s.startswith(("/", ".", "~")) or s.count("/") > 1 or "\\" in s
+
+
+def model_context(config: dict) -> int | None:
+    cfg = config.get("text_config") or config
+    for k in _CONTEXT_KEYS:
+        if isinstance(cfg.get(k), int) and cfg[k] > 0:
+            return int(cfg[k])
+    return None
+
+
+def inspect_checkpoint(path_or_id: str | Path, what: str = "model") -> CheckpointInfo | None:
+    """Check a checkpoint dir loads, without loading a tensor: config.json parses, every safetensors header reads
+    (safetensors' `safe_open`: a truncated or corrupt file fails here), the header shapes match the model the
+    config describes, a tokenizer is there. Raises `ModelError` naming the path (as `what`) and the fix; returns
+    None for a hub id (checked when it is downloaded)."""
+    if not is_local_path(path_or_id):
+        return None
+    p = Path(str(path_or_id)).expanduser()
+    fix = "give a checkpoint dir written by save_pretrained (config.json, model.safetensors, tokenizer files)"
+    if not p.exists():
+        raise ModelError(f"{what} '{p}' does not exist — {fix}")
+    if not p.is_dir():
+        raise ModelError(f"{what} '{p}' is a file, not a checkpoint dir — {fix}")
+    cfg_path = p / "config.json"
+    if not cfg_path.exists():
+        raise ModelError(f"{what} '{p}' is not a model checkpoint (no config.json) — {fix}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{what} '{cfg_path}' is not valid JSON ({_first_line(e)}) — restore it or re-save the "
+                         "checkpoint") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{what} '{cfg_path}' is not a JSON object — restore it or re-save the checkpoint")
+    shapes = _weight_shapes(p, what)
+    if shapes is not None:
+        _check_shapes(p, config, shapes, what)
+    if not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise ModelError(f"{what} '{p}' has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, …) — save the "
+                         "tokenizer into it (tokenizer.save_pretrained) or copy it from the base model")
+    n = None if shapes is None else sum(math.prod(s) for s in shapes.values())
+    return CheckpointInfo(p, config, n, model_context(config))
+
+
+def _weight_shapes(p: Path, what: str) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name → shape from every safetensors header (no data read); None when the weights are .bin."""
+    from safetensors import SafetensorError, safe_open
+
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(f"{what} '{index}' is not a valid safetensors index ({_first_line(e)}) — re-save the "
+                             "checkpoint") from None
+    elif (p / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    elif any(p.glob("*.bin")):
+        return None
+    else:
+        raise ModelError(f"{what} '{p}' has no weights (model.safetensors) — re-save the checkpoint with "
+                         "save_pretrained or copy its weight files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        f = p / name
+        if not f.exists():
+            raise ModelError(f"{what} '{f}' is missing (named by model.safetensors.index.json) — copy every "
+                             "shard of the checkpoint")
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    shapes[k] = tuple(st.get_slice(k).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{what} '{f}' is truncated or corrupt ({_first_line(e)}) — re-save the checkpoint "
+                             "or copy it again") from None
+    return shapes
+
+
+def _check_shapes(p: Path, config: dict, shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    """The header shapes against the model config.json describes (built on the meta device: no memory, no
+    init). Only tensors present on both sides are compared; a config transformers cannot build is left to the
+    real load."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if "model_type" not in config or config.get("auto_map"):  # remote code: not built here
+            return
+        cfg = AutoConfig.from_pretrained(str(p))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    except Exception:  # noqa: BLE001 - any failure here means "cannot tell"; from_pretrained reports it
+        return
+    for k, shape in shapes.items():
+        if k in want and want[k] != shape:
+            raise ModelError(f"{what} '{p}': weight '{k}' has shape {list(shape)} but config.json describes "
+                             f"{list(want[k])} — the weights were saved with another config; use its config.json "
+                             "or re-save the checkpoint")

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import DataError
 from ..models import forward
 
 
@@ -86,14 +87,20 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, fu
     return (out,) + ((torch.cat(full_lp),) if full else ()) + ((torch.cat(ents),) if entropy else ())
 
 
+def prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    """The token ids of each prompt as every engine feeds them (the one tokenisation rule; the pre-flight
+    length check of the data uses it too)."""
+    return list(tokenizer(list(prompts), add_special_tokens=True)["input_ids"]) if len(prompts) else []
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], device, max_prompt_tokens: int | None = None):
     """Left-pad tokenised prompts into `[B,P]` ids and mask."""
-    enc = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    enc = prompt_ids(tokenizer, prompts)
     if max_prompt_tokens is not None:
         for p, e in zip(prompts, enc):
             if len(e) > max_prompt_tokens:
-                raise ValueError(f"prompt of {len(e)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}:"
-                                 f" {p[:40]!r}… — raise data.max_prompt_tokens or shorten the prompt")
+                raise DataError(f"prompt of {len(e)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}:"
+                                f" {p[:40]!r}… — raise data.max_prompt_tokens or shorten the prompt")
     P = max(len(e) for e in enc)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(enc), P), pad, dtype=torch.long)

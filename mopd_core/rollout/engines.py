@@ -65,6 +65,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import PlacementError
 from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
@@ -75,7 +76,7 @@ _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu
              "or set rollout.backend=hf")
 
 
-class RolloutBackendError(RuntimeError):
+class RolloutBackendError(PlacementError):
     """A rollout backend that cannot run here; the message is one line naming `rollout.backend` and the fix."""
 
 
@@ -393,7 +394,8 @@ class VllmRollout(RolloutEngine):
             c_ids[i, :n] = torch.tensor(toks)
             c_mask[i, :n] = 1
             if r.logprobs is None:
-                raise RolloutBackendError("rollout.backend=vllm: the engine returned no logprobs for a sample")
+                # a bug (ours or vLLM's), not the user's input: keeps its traceback
+                raise RuntimeError("rollout.backend=vllm: the engine returned no logprobs for a sample")
             c_lp[i, :n] = torch.tensor([r.logprobs[t][toks[t]].logprob for t in range(n)], dtype=torch.float32)
         texts = tok.batch_decode([row[m.bool()].tolist() for row, m in zip(c_ids, c_mask)],
                                  skip_special_tokens=True)

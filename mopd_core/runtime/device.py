@@ -24,6 +24,8 @@ from functools import lru_cache
 
 import torch
 
+from ..errors import PlacementError
+
 DeviceKind = str  # "cpu" | "cuda" | "npu"
 
 
@@ -87,10 +89,10 @@ def resolve(kind: str = "auto") -> DeviceInfo:
     if kind not in _INFO:
         raise ValueError(f"runtime.device='{kind}' is not one of auto, cpu, cuda, npu")
     if kind == "cuda" and not cuda_available():
-        raise RuntimeError("runtime.device=cuda but torch sees no CUDA device; use runtime.device=cpu or auto")
+        raise PlacementError("runtime.device=cuda but torch sees no CUDA device; use runtime.device=cpu or auto")
     if kind == "npu" and not npu_available():
-        raise RuntimeError("runtime.device=npu but torch_npu is missing or broken (needs Ascend CANN); "
-                           "install the `npu` extra on an Ascend host or use runtime.device=auto")
+        raise PlacementError("runtime.device=npu but torch_npu is missing or broken (needs Ascend CANN); "
+                             "install the `npu` extra on an Ascend host or use runtime.device=auto")
     return _INFO[kind]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PlacementError
 from . import device as devlib
 
 log = logging.getLogger("mopd")
@@ -32,7 +33,7 @@ log = logging.getLogger("mopd")
 MB = 2**20
 
 
-class ColocationError(ValueError):
+class ColocationError(PlacementError):
     """The colocated phases cannot fit the device memory budget; one line naming the phase and the fix."""
 
 

@@ -16,12 +16,9 @@ from pathlib import Path
 import torch
 
 from ..algorithms import mix_teacher_logprobs
+from ..errors import TeacherError  # noqa: F401 - teachers.TeacherError stays the public name
 from ..models import check_same_tokenizer, load_model, load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch, completion_logprobs
-
-
-class TeacherError(ValueError):
-    """Bad teacher configuration (unknown id, tokenizer mismatch…); one line naming teacher and fix."""
 
 
 @dataclass

@@ -7,10 +7,14 @@ completion token t of a row with P real prompt tokens is entry `P + t`. Numbers 
 (same weights, same float32 forward) within ~1e-6 on the tiny model.
 
 Failure policy (one line each, naming the teacher):
-- transient (connection refused/reset, timeouts, HTTP 5xx): retried with exponential backoff, `retries` times;
-- HTTP 4xx: at once, never retried (a sequence over max-model-len names the length and the server's limit);
+- transient (connection refused/reset, timeouts, HTTP 5xx): retried with exponential backoff, `retries` times,
+  then `TeacherUnavailable` (an `InfraError`: Prefect retries the stage, which resumes);
+- HTTP 4xx: at once, never retried — `TeacherRequestError` (a `MopdError`) with the server's message (a sequence
+  over max-model-len names the length and the server's limit);
 - server process gone (a `supervisor` from `serving.TeacherServers` says so): restart it (bounded) and re-score
-  the whole batch — a batch never gets a partial teacher signal.
+  the whole batch — a batch never gets a partial teacher signal;
+- an endpoint that does not answer at all when the router is built (pre-flight): `TeacherError` — a wrong URL
+  or a server not started is the user's to fix.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from ..errors import InfraError
 from ..models import ModelError, load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch
 from . import Teacher, TeacherError, TeacherRouter, TeacherScore
@@ -36,8 +41,9 @@ PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 37+45= so
               "upper:abcd= rep3:ab= !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
-class TeacherUnavailable(TeacherError):
-    """A teacher server did not answer (after retries) — transient failures exhausted or the process died."""
+class TeacherUnavailable(InfraError):
+    """A teacher server did not answer (after retries) — transient failures exhausted or the process died, its
+    restarts spent. Infrastructure, not the user's input: Prefect retries the stage (it resumes)."""
 
 
 class TeacherRequestError(TeacherError):
@@ -54,6 +60,33 @@ def _one_line(text: str, limit: int = 300) -> str:
     return s if len(s) <= limit else s[:limit] + "…"
 
 
+class Supervisor:
+    """What an `HttpTeacher` asks of the process that runs its server (`serving.TeacherServers`): whether the
+    server died or hangs, and to kill or restart it (which may move it to another URL)."""
+
+    def manifest(self) -> dict[str, dict]:
+        raise NotImplementedError
+
+    def url_of(self, teacher_id: str) -> str | None:
+        raise NotImplementedError
+
+    def log_of(self, teacher_id: str) -> str | None:
+        raise NotImplementedError
+
+    def is_dead(self, teacher_id: str) -> bool:
+        raise NotImplementedError
+
+    def is_hung(self, teacher_id: str, timeout_s: float = 10.0) -> bool:
+        raise NotImplementedError
+
+    def kill_hung(self, teacher_id: str) -> None:
+        raise NotImplementedError
+
+    def restart(self, teacher_id: str) -> str:
+        """Start the teacher's server again; returns its URL."""
+        raise NotImplementedError
+
+
 class HttpTeacher(Teacher):
     """A teacher behind a vLLM OpenAI-compatible server. Same interface as `LocalTeacher`:
     `name`, `path`, `fingerprint`, `stats`, `score(batch, top_k=0) -> TeacherScore`."""
@@ -61,7 +94,7 @@ class HttpTeacher(Teacher):
     def __init__(self, name: str, url: str, *, model: str | None = None, checkpoint: str | Path | None = None,
                  fingerprint: str | None = None, temperature: float = 1.0, max_concurrency: int = 4,
                  request_batch_size: int = 8, request_timeout_s: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5, connect_retries: int = 2, restarts: int = 0, supervisor: Any = None,
+                 backoff_s: float = 0.5, connect_retries: int = 2, restarts: int = 0, supervisor: Supervisor | None = None,
                  max_model_len: int | None = None):
         import httpx
 
@@ -120,8 +153,11 @@ class HttpTeacher(Teacher):
                 last = _one_line(f"{type(e).__name__}: {e}", 120)
             if attempt < connect_retries:
                 time.sleep(self.backoff_s * 2 ** attempt)
-        raise TeacherUnavailable(f"teacher '{self.name}' unreachable at {self.url} ({last}, {connect_retries + 1} "
-                                 "tries) — start its server or fix teachers.endpoints")
+        # pre-flight: an endpoint the user gave that does not answer is a wrong URL or a server not started (the
+        # user's to fix); one of our supervised servers that stops answering is infrastructure
+        cls = TeacherUnavailable if self.supervisor is not None else TeacherError
+        raise cls(f"teacher '{self.name}' unreachable at {self.url} ({last}, {connect_retries + 1} tries) — start "
+                  "its server or fix teachers.endpoints")
 
     def _dead(self) -> bool:
         sup = self.supervisor
@@ -328,9 +364,7 @@ def _entries(endpoints_or_manifest) -> tuple[dict[str, dict], Any]:
     """Normalise `{id: url}`, `{id: {url, …}}`, a manifest path or a `TeacherServers` into entries + supervisor."""
     supervisor = None
     src = endpoints_or_manifest
-    from .serving import TeacherServers  # not at the top: serving imports this module
-
-    if isinstance(src, TeacherServers):
+    if isinstance(src, Supervisor):  # serving.TeacherServers
         supervisor, src = src, src.manifest()
     elif isinstance(src, (str, Path)):
         src = load_manifest(src)

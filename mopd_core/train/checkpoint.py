@@ -20,13 +20,10 @@ from typing import Any
 
 import torch
 
-from ..models import save_pretrained
+from ..errors import StageStateError  # noqa: F401 - checkpoint.StageStateError stays the public name
+from ..models import save_pretrained, writing
 
 log = logging.getLogger("mopd")
-
-
-class StageStateError(ValueError):
-    """The stage folder belongs to another config; one line naming the folder and the fix."""
 
 
 def read_stage(stage_dir: Path) -> dict | None:
@@ -108,17 +105,19 @@ def last_checkpoint_step(stage_dir: str | Path) -> int:
 
 def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None,
                     keep: int = 2) -> Path:
+    """Write `checkpoints/step-N` whole into a temp dir, then rename it into place: a crash or a full disk
+    (`DiskFullError`) leaves only the temp dir, removed, and every earlier checkpoint and final/ untouched. The
+    oldest checkpoints beyond `keep` are deleted only after the new one is complete."""
     root = Path(stage_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_pretrained(model, tokenizer, tmp / "model")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "extra": extra or {}},
-               tmp / "loop_state.pt")
+    with writing(tmp, f"checkpoint {final}"):
+        save_pretrained(model, tokenizer, tmp / "model")
+        torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "extra": extra or {}},
+                   tmp / "loop_state.pt")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

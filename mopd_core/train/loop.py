@@ -24,6 +24,7 @@ import torch
 
 from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
+from ..errors import ConfigError, TrainingDivergedError
 from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import RolloutBatch, completion_logprobs
@@ -42,7 +43,7 @@ log = logging.getLogger("mopd")
 TRAJECTORY_FREE = {"steps", "save_every", "eval_every", "keep_checkpoints"}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(TrainingDivergedError):
     """Training produced a NaN/inf loss or gradient; the last good checkpoint is kept untouched."""
 
 
@@ -59,6 +60,18 @@ def _section(loop_cfg: PolicyLoopConfig) -> str:
     from ..config import MOPDConfig
 
     return "mopd" if isinstance(loop_cfg, MOPDConfig) else "expert"
+
+
+def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, names: list[str],
+                      has_teachers: bool) -> None:
+    """What makes a policy stage impossible whatever the model: a pre-flight check (no compute)."""
+    sec = _section(loop_cfg)
+    if loop_cfg.w_kd > 0 and not has_teachers:
+        raise ConfigError(f"{stage}: {sec}.w_kd={loop_cfg.w_kd} needs teachers; give teachers or set "
+                          f"{sec}.w_kd=0 for pure RL")
+    if loop_cfg.w_kd == 0 and loop_cfg.w_rl == 0:
+        raise ConfigError(f"{stage}: {sec}.w_rl and {sec}.w_kd are both 0 — nothing to learn from; set one > 0")
+    recipe.mix_weights(loop_cfg, sec, names)
 
 
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
@@ -94,10 +107,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
             and info.get("steps") == loop_cfg.steps):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
-    if loop_cfg.w_kd > 0 and teachers is None:
-        raise ValueError(f"{stage}: w_kd={loop_cfg.w_kd} needs teachers; set w_kd=0 for pure RL")
-    if loop_cfg.w_kd == 0 and loop_cfg.w_rl == 0:
-        raise ValueError(f"{stage}: w_rl and w_kd are both 0 — nothing to learn from")
+    check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
 
     dinfo = devlib.resolve(recipe.runtime.device)
     device = dinfo.torch_device

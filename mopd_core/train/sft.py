@@ -7,16 +7,19 @@ interrupted SFT resumes where it stopped.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from ..config import RecipeConfig
+from ..errors import DataError
 from ..evaluation import evaluate_model
-from ..models import load_model, load_tokenizer, save_pretrained
+from ..models import disk_full_error, load_model, load_tokenizer, save_pretrained
 from ..runtime import device as devlib
 from .checkpoint import checkpoint_step, claim_stage, read_stage, trainer_checkpoints, write_stage
 from .loop import NonFiniteLossError, sample_prompts
@@ -39,8 +42,8 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
     rows = []
     for e in sample_prompts(domains, weights, n, rng):
         if e.answer is None:
-            raise ValueError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
-                             "has none — add an `answer` column or drop the domain from sft.mix")
+            raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
+                            "has none — add an `answer` column or drop the domain from sft.mix")
         rows.append({"prompt": e.prompt, "completion": e.answer})
     rng.shuffle(rows)
     return rows
@@ -106,7 +109,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
                 f.write(json.dumps(row) + "\n")
             bar.update(state.global_step, row)
 
-    max_len = recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens + 1
+    max_len = recipe.max_seq_len() + 1  # + the EOS TRL appends
     args = SFTConfig(
         output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
         learning_rate=cfg.lr, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=int(cfg.warmup_ratio * cfg.steps),
@@ -123,13 +126,23 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
         _truncate(metrics_path, checkpoint_step(resume))
     try:
         trainer.train(resume_from_checkpoint=resume)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # the Trainer writes checkpoint-N in place: drop the one it did not finish, so the previous checkpoints
+        # stay the ones a rerun resumes from
+        for d in trainer_checkpoints(stage_dir):
+            if not (d / "trainer_state.json").exists():
+                shutil.rmtree(d, ignore_errors=True)
+        raise disk_full_error(stage_dir / "trainer", "an SFT trainer checkpoint", e) from e
     finally:
         bar.close()
     return history
 
 
 def _last_trainer_ckpt(stage_dir: Path) -> str | None:
-    cks = trainer_checkpoints(stage_dir)
+    # trainer_state.json is the Trainer's last write of a checkpoint: one without it is incomplete
+    cks = [d for d in trainer_checkpoints(stage_dir) if (d / "trainer_state.json").exists()]
     return str(cks[-1]) if cks else None
 
 

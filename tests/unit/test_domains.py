@@ -121,7 +121,7 @@ def test_synthetic_params():
 
 
 def test_unknown_kind_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown synthetic domain kind 'chess'; known kinds: .*code.*if.*math"):
+    with pytest.raises(DomainError, match=r"unknown synthetic domain kind 'chess'; known kinds: .*code.*if.*math"):
         build_domain("chess", "synthetic:chess")
     with pytest.raises(DomainError, match="synthetic sources bring their own"):
         build_domain("math", "synthetic:math", verifier="code_tests")

@@ -9,6 +9,7 @@ import torch
 
 from mopd_core import algorithms as alg
 from mopd_core.config import ModelConfig, TeachersConfig
+from mopd_core.errors import PlacementError
 from mopd_core.models import (ModelError, build_tiny, build_tiny_tokenizer, check_same_tokenizer, load_model,
                               load_tokenizer, num_parameters, tokenizer_fingerprint)
 from mopd_core.rollout import HFRollout, completion_logprobs
@@ -149,7 +150,7 @@ def test_device_layer_on_cpu():
     assert D.set_visible_devices("npu", [0, 1]) == {"ASCEND_RT_VISIBLE_DEVICES": "0,1"}
     assert D.resolve("cuda" if torch.cuda.is_available() else "cpu")
     if not D.npu_available():
-        with pytest.raises(RuntimeError, match="runtime.device=npu"):
+        with pytest.raises(PlacementError, match="runtime.device=npu"):
             D.resolve("npu")
     with pytest.raises(ValueError, match="runtime.device='tpu'"):
         D.resolve("tpu")

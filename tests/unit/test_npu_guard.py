@@ -56,6 +56,7 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from mopd_core.errors import PlacementError  # noqa: E402
 from mopd_core.runtime import device as D  # noqa: E402
 
 MB = 2**20
@@ -163,7 +164,7 @@ def test_npu_boundary_torch_npu_faked_but_no_device(monkeypatch):
         try:
             assert not D.npu_available()
             assert D.resolve("auto").kind in ("cpu", "cuda")
-            with pytest.raises(RuntimeError, match="runtime.device=npu but torch_npu"):
+            with pytest.raises(PlacementError, match="runtime.device=npu but torch_npu"):
                 D.resolve("npu")
         finally:
             D.npu_available.cache_clear()

@@ -1,0 +1,246 @@
+"""Pre-flight: what a stage can check before any compute and before it writes anything — so a mistake costs
+seconds, names the field or file and the fix, and leaves no stage folder behind.
+
+`check_stage(recipe, stage, ...)` is called first thing by every stage entry point in `recipe.py`:
+
+- every model the stage loads (the student / `--init`, local teachers, served teachers' checkpoints, eval models)
+  is a checkpoint dir that loads: config.json parses, the safetensors headers read (no tensor is loaded) and
+  match the config, a tokenizer is there (`models.inspect_checkpoint`);
+- prompt + completion + 1 fits the context (`max_position_embeddings`) of the student and every local teacher
+  (http teachers: the servers' max-model-len is checked when the router is built, `teachers/http.py`);
+- every prompt of the data fits `data.max_prompt_tokens`, tokenized with the run's tokenizer (dataset rows: all
+  of them, named by file and row; synthetic domains: the eval set and a sample of training prompts);
+- the output dir can be written (nothing in the way is a regular file, files can be created there) and its disk
+  has the space a checkpoint needs: parameter bytes × 3 (weights + AdamW's two moments) + a margin.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import RecipeConfig
+from .errors import ConfigError, DataError, DiskFullError
+
+log = logging.getLogger("mopd")
+
+MARGIN_BYTES = 16 * 2**20  # metrics, stage.json, tokenizer files, filesystem slack
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class _Model:
+    label: str               # how messages name it: "--init", "teacher 'math'", …
+    path: str
+    context: int | None      # positions it supports; None = unknown (a hub id that does not say)
+    num_params: int | None
+    tokenizer: Any = None
+
+
+def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
+                teachers: Mapping[str, str | Path] | None = None, models: Mapping[str, str | Path] | None = None,
+                domains: Mapping[str, Any] | None = None, endpoints: Any = None) -> None:
+    """Pre-flight of one stage. `stage`: "recipe", "sft", "expert-<domain>", "eval", or a mopd stage's name
+    ("student", "grpo-baseline"). `student`: the model it starts from (sft: the base; None = `model.base`);
+    `teachers` (mopd) and `models` (eval): {name: checkpoint}; `domains`: the built domains (else built here);
+    `endpoints`: teachers already served (their checkpoints are not loaded here). Raises a `MopdError`."""
+    if domains is None:
+        from .recipe import build_domains
+
+        domains = build_domains(recipe)
+    if stage == "eval":
+        evals = [_inspect(recipe, f"eval model '{k}'", v) for k, v in (models or {}).items()]
+        for m in evals:
+            _check_context(recipe, m, eval=True)
+        if evals:
+            _check_prompts(recipe, _tokenizer(evals[0]), domains)
+        return  # evaluation writes nothing
+    base = student is None and stage in ("recipe", "sft")
+    stu = _base(recipe) if base else _inspect(recipe, "--init" if stage != "sft" else "--base", student)
+    _check_context(recipe, stu, eval=True)
+    if teachers and recipe.mopd.w_kd > 0 and not _is_mopd_free(stage):
+        served_elsewhere = endpoints is not None or bool(recipe.teachers.endpoints)
+        for tid, path in teachers.items():
+            if recipe.teachers.backend == "http" and served_elsewhere:
+                continue
+            t = _inspect(recipe, f"teacher '{tid}'", path)
+            if recipe.teachers.backend == "local":  # http: the server's max-model-len is checked at connect
+                _check_context(recipe, t, eval=False)
+    _check_prompts(recipe, _tokenizer(stu), domains)
+    stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
+    _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
+
+
+def _is_mopd_free(stage: str) -> bool:
+    return stage in ("recipe", "sft") or stage.startswith("expert-")
+
+
+# ---------------------------------------------------------------- models
+
+
+def _inspect(recipe: RecipeConfig, label: str, path: str | Path | None) -> _Model:
+    from .models import inspect_checkpoint
+
+    if path is None or not str(path).strip():
+        raise ConfigError(f"{label}: no model given — pass a checkpoint dir")
+    info = inspect_checkpoint(path, label)
+    if info is not None:
+        return _Model(label, str(path), info.context, info.num_params)
+    context, n = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: what its config says
+    return _Model(label, str(path), context, n)
+
+
+def _base(recipe: RecipeConfig) -> _Model:
+    """The SFT base: `model.base`, or the tiny model as it will be built (nothing written yet)."""
+    if recipe.model.base != "tiny":
+        return _inspect(recipe, "model.base", recipe.model.base)
+    built = recipe.run_dir() / "base"
+    if (built / "config.json").exists():
+        return _inspect(recipe, "model.base (tiny)", built)
+    import torch
+
+    from .models import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    with torch.device("meta"):  # shapes only: no memory, no init
+        n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
+                                                    tok.eos_token_id).parameters())
+    return _Model("model.tiny", "tiny", recipe.model.tiny.max_position_embeddings, n, tok)
+
+
+def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None]:
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .models import model_context
+
+        cfg = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+                cfg, trust_remote_code=trust_remote_code).parameters())
+        return model_context(cfg.to_dict()), n
+    except Exception:  # noqa: BLE001 - not resolvable now: the stage's own load reports it
+        return None, None
+
+
+def _tokenizer(m: _Model):
+    if m.tokenizer is None:
+        from .models import load_tokenizer
+
+        m.tokenizer = load_tokenizer(m.path)
+    return m.tokenizer
+
+
+def _check_context(recipe: RecipeConfig, m: _Model, eval: bool) -> None:
+    """prompt + completion + 1 ≤ the model's positions (SFT appends EOS; a teacher scores one more token)."""
+    if m.context is None:
+        return
+    need = recipe.max_seq_len(eval=eval) + 1
+    if need <= m.context:
+        return
+    P, T = recipe.data.max_prompt_tokens, recipe.rollout.max_new_tokens
+    parts = f"data.max_prompt_tokens={P} + rollout.max_new_tokens={T}"
+    if eval and recipe.max_seq_len(eval=True) > recipe.max_seq_len():
+        parts = f"data.max_prompt_tokens={P} + eval.max_new_tokens={recipe.eval.max_new_tokens}"
+    where = "model.tiny.max_position_embeddings" if m.path == "tiny" else f"'{m.path}' (max_position_embeddings)"
+    raise ConfigError(f"prompt + completion + 1 = {parts} + 1 = {need} exceeds the {m.context} positions of "
+                      f"{m.label} {where} — lower rollout.max_new_tokens or data.max_prompt_tokens, or use a model "
+                      "with a longer context")
+
+
+# ---------------------------------------------------------------- data
+
+
+def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) -> None:
+    """Every prompt fits data.max_prompt_tokens with the run's tokenizer (the rollout's own rule)."""
+    from .domains import load_examples_cached
+    from .rollout import prompt_ids
+
+    limit = recipe.data.max_prompt_tokens
+    fix = f"raise data.max_prompt_tokens (now {limit})"
+    seen: set[tuple[str, Any]] = set()
+    for spec in recipe.data.domains:
+        if spec.name not in domains:
+            continue
+        if spec.source.startswith("synthetic:"):
+            dom = domains[spec.name]
+            exs = list(dom.eval_examples()) + list(dom.train_examples(64, random.Random("mopd-preflight")))
+            for e, ids in zip(exs, prompt_ids(tokenizer, [e.prompt for e in exs])):
+                if len(ids) > limit:
+                    raise DataError(f"domain '{spec.name}' ({spec.source}, params {spec.params or {}}): prompt "
+                                    f"{e.prompt[:40]!r} has {len(ids)} tokens, over data.max_prompt_tokens={limit} — "
+                                    f"{fix} or shorten the task (params)")
+            continue
+        key = (spec.source, spec.params.get("split"))
+        if key in seen:
+            continue
+        seen.add(key)
+        rows = load_examples_cached(spec.source, split=key[1])
+        for i, (e, ids) in enumerate(zip(rows, prompt_ids(tokenizer, [e.prompt for e in rows]))):
+            if len(ids) > limit:
+                raise DataError(f"{spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
+                                f"data.max_prompt_tokens={limit} ({e.prompt[:40]!r}…) — {fix} or drop the row")
+
+
+# ---------------------------------------------------------------- output dir
+
+
+def _finished(recipe: RecipeConfig, stage: str, stage_dir: Path) -> bool:
+    """The folder holds this stage finished with the configured steps: likely reused, nothing to write (if it
+    is retrained after all, a full disk is still caught while saving — `DiskFullError`)."""
+    from .train.checkpoint import read_stage
+
+    if stage == "recipe":
+        return False
+    steps = (recipe.sft.steps if stage == "sft" else recipe.expert.steps if stage.startswith("expert-")
+             else recipe.mopd.steps)
+    info = read_stage(stage_dir) if stage_dir.is_dir() else None
+    return bool(info and info.get("status") == "done" and info.get("steps") == steps
+                and (stage_dir / "final").is_dir())
+
+
+def checkpoint_bytes(num_params: int, dtype: str) -> int:
+    """Disk one training checkpoint needs: weights + AdamW's two moments (same dtype as the weights) + margin."""
+    return num_params * _DTYPE_BYTES.get(dtype, 4) * 3 + MARGIN_BYTES
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _check_output_dir(recipe: RecipeConfig, stage_dir: Path, model: _Model | None) -> None:
+    """output_dir writable (probed with a temp file in the nearest existing folder — nothing is left behind)
+    and, unless `model` is None, with the free space a checkpoint of it needs."""
+    field = f"output_dir={recipe.output_dir}"
+    anc = Path(stage_dir)
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"{field}: '{anc}' is a regular file, not a folder — set output_dir to a folder (or "
+                          "move the file out of the way)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mopd-preflight-", dir=anc)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"{field}: the disk holding '{anc}' is full ({e.strerror}) — free disk space or "
+                                "set output_dir to a larger disk") from None
+        raise ConfigError(f"{field} is not writable: cannot create files in '{anc}' ({e.strerror}) — choose a "
+                          "writable output_dir or fix its permissions") from None
+    if model is None or not model.num_params:
+        return
+    need = checkpoint_bytes(model.num_params, recipe.runtime.dtype)
+    free = shutil.disk_usage(anc).free
+    if free < need:
+        raise DiskFullError(f"{field}: the disk holding '{anc}' has {_mib(free)} free, a checkpoint of this stage "
+                            f"needs about {_mib(need)} ({model.num_params:,} parameters × 3 for weights + AdamW "
+                            f"state, + {_mib(MARGIN_BYTES)}) — free disk space or set output_dir to a larger disk")
