@@ -94,8 +94,8 @@ class HttpTeacher(Teacher):
     def __init__(self, name: str, url: str, *, model: str | None = None, checkpoint: str | Path | None = None,
                  fingerprint: str | None = None, temperature: float = 1.0, max_concurrency: int = 4,
                  request_batch_size: int = 8, request_timeout_s: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5, connect_retries: int = 2, restarts: int = 0, supervisor: Supervisor | None = None,
-                 max_model_len: int | None = None):
+                 backoff_s: float = 0.5, connect_retries: int = 2, restarts: int = 0,
+                 supervisor: Supervisor | None = None, max_model_len: int | None = None):
         import httpx
 
         self.name, self.url = name, url.rstrip("/")

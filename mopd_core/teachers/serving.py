@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Mapping
 
 from . import TeacherError
-from .http import TeacherUnavailable
+from .http import Supervisor, TeacherUnavailable
 
 log = logging.getLogger("mopd.teachers")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ class TeacherServer:
         return self.proc is None or self.proc.poll() is not None
 
 
-class TeacherServers:
+class TeacherServers(Supervisor):
     """Start (and supervise, and stop) one vLLM OpenAI server per teacher. A context manager: `__exit__` stops
     every server it started, whatever happened. Also the supervisor of `HttpTeacher`s built from it:
     `is_dead(teacher)` and `restart(teacher)` (bounded by `restarts` per teacher, counted in `restart_counts`)."""
