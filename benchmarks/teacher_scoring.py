@@ -1,7 +1,8 @@
 """Teacher scoring throughput: `local` (in-process forward) vs `http` (vLLM OpenAI servers, prompt_logprobs),
 with 1 and 3 teachers and several request concurrencies, on the tiny model.
 
-    .venv/bin/python benchmarks/teacher_scoring.py [--samples 256] [--repeats 3] [--out benchmarks/results/teacher_scoring]
+    .venv/bin/python benchmarks/teacher_scoring.py [--samples 256] [--repeats 3]
+        [--out benchmarks/results/teacher_scoring]
 
 Writes `<out>.json` and `<out>.md`. Tokens/s counts scored completion tokens (the student's sampled tokens).
 1 teacher: one teacher scores the whole batch. 3 teachers: domain routing (each row to its domain's teacher;
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
         md.append(f"| {r['backend']} | {r['teachers']} | {r['concurrency'] or '–'} | "
                   f"{r['request_batch_size'] or '–'} | {r['tokens_per_s']:.0f} | {r['seconds'] * 1000:.0f} |")
     md += ["", "3 teachers = domain routing: each teacher scores its third of the rows; http: the router asks "
-           "the three servers at the same time (local: one after another). The machine is shared (2 cores), so treat differences under ~20% as noise."]
+           "the three servers at the same time (local: one after another). The machine is shared (2 cores), so "
+           "treat differences under ~20% as noise."]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     import shutil

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = full_recipe(config=a.config, overrides=a.overrides, refresh=a.refresh or None,
                           champion=ChampionParams(compare=a.champion),
-                          concurrent_experts=(False if a.sequential_experts else True if a.concurrent_experts else None))
+                          concurrent_experts=(False if a.sequential_experts
+                                              else True if a.concurrent_experts else None))
     except ParameterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

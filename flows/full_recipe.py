@@ -98,8 +98,9 @@ def full_recipe(
         result = {"parent_run_id": parent, "stages": stages, "accuracy": ev["accuracy"], "table": ev["table"],
                   "report": report}
         if champion.compare:
-            result["champion"] = compare_to_champion(cfg, parent, ev["accuracy"], student["ref"], champ and champ["ref"],
-                                                     champion.tolerance, champion.promote, champion.alias)
+            result["champion"] = compare_to_champion(cfg, parent, ev["accuracy"], student["ref"],
+                                                     champ and champ["ref"], champion.tolerance, champion.promote,
+                                                     champion.alias)
     except BaseException:
         close_recipe_run(parent, "FAILED")
         raise

@@ -2,9 +2,10 @@
 take turns on the same device.
 
 1. `test_colocated_mopd_step_with_vllm`: the step written out — wake + hand-over → generate → sleep → the
-   teacher loads, scores, offloads → advantages (sampled-token reverse KL) → PPO update → next hand-over. Checks that the
-   engine is on-policy (ratio ρ = 1 at the start of the update: its behaviour log-probs are the trainer's), that
-   the update changed the policy, and that after the next hand-over the engine samples from the updated weights.
+   teacher loads, scores, offloads → advantages (sampled-token reverse KL) → PPO update → next hand-over. Checks
+   that the engine is on-policy (ratio ρ = 1 at the start of the update: its behaviour log-probs are the
+   trainer's), that the update changed the policy, and that after the next hand-over the engine samples from the
+   updated weights.
    Device memory is recorded at every phase.
 2. `test_mopd_stage_colocated[hf|vllm]`: the real MOPD stage (`recipe.mopd_stage`, 2 steps) on the device with
    `runtime.placement=colocated`; the vllm case runs once the loop builds its engine with

@@ -86,7 +86,7 @@ def test_recipe_serves_trains_and_stops_teachers(recipe_run):
     assert m["teacher_restarts_total/math"] == 0
     # the Prefect artifact lists every server
     art = next(a for a in run["flow_run"]["artifacts"] if a["key"] == "t-serve-teachers")
-    for t, e in manifest.items():
+    for e in manifest.values():
         assert e["url"] in art["data"] and str(e["pid"]) in art["data"]
     # nothing left: checked inside the flow's process before it exited, and from here
     assert procs == {"procs": [], "registered": 0}, procs

@@ -77,7 +77,8 @@ def test_empty_dataset_or_missing_column(tmp_path, rows, needle):
 
 def test_cli_missing_dataset_file_is_one_line(tmp_path):
     p = _cli("recipe", "--set", f"output_dir={tmp_path}",
-             "--set", f"data.domains=[{{name: math, source: {tmp_path}/nope.parquet}}]", "--set", "sft.mix=null", "--set", "mopd.mix=null")
+             "--set", f"data.domains=[{{name: math, source: {tmp_path}/nope.parquet}}]", "--set", "sft.mix=null",
+             "--set", "mopd.mix=null")
     _one_line_error(p, "nope.parquet")
 
 

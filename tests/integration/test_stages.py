@@ -4,7 +4,6 @@ identical logits, a resumed run's next step equals an uninterrupted run's, bad i
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
