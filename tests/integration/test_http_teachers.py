@@ -205,15 +205,19 @@ def test_tokenizer_mismatch_is_one_line(servers, world):
 
 
 def test_unreachable_external_url(world):
-    from mopd_core.teachers.http import TeacherUnavailable, build_http_router
+    from mopd_core.errors import InfraError
+    from mopd_core.teachers import TeacherError
+    from mopd_core.teachers.http import build_http_router
     from mopd_core.teachers.serving import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.perf_counter()
-    with pytest.raises(TeacherUnavailable) as e:
+    # a URL the user gave that never answers is the user's to fix (a MopdError), not an outage to retry
+    with pytest.raises(TeacherError) as e:
         build_http_router({"math": url}, _cfg(), world["tok"])
     msg = str(e.value)
     assert "'math'" in msg and url in msg and "\n" not in msg and time.perf_counter() - t0 < 10
+    assert not isinstance(e.value, InfraError)
 
 
 # -- a stub OpenAI server: the HTTP client's retry / fail-fast policy without vLLM (runs everywhere) ----------
