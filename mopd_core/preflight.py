@@ -112,7 +112,7 @@ def _base(recipe: RecipeConfig) -> _Model:
     with torch.device("meta"):  # shapes only: no memory, no init
         n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
                                                     tok.eos_token_id).parameters())
-    return _Model("model.tiny", "tiny", recipe.model.tiny.max_position_embeddings, n, tok)
+    return _Model("the tiny model", "tiny", recipe.model.tiny.max_position_embeddings, n, tok)
 
 
 def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None]:
@@ -150,7 +150,8 @@ def _check_context(recipe: RecipeConfig, m: _Model, eval: bool) -> None:
     parts = f"data.max_prompt_tokens={P} + rollout.max_new_tokens={T}"
     if eval and recipe.max_seq_len(eval=True) > recipe.max_seq_len():
         parts = f"data.max_prompt_tokens={P} + eval.max_new_tokens={recipe.eval.max_new_tokens}"
-    where = "model.tiny.max_position_embeddings" if m.path == "tiny" else f"'{m.path}' (max_position_embeddings)"
+    where = ("(model.tiny.max_position_embeddings)" if m.path == "tiny"
+             else f"'{m.path}' (max_position_embeddings in its config.json)")
     raise ConfigError(f"prompt + completion + 1 = {parts} + 1 = {need} exceeds the {m.context} positions of "
                       f"{m.label} {where} — lower rollout.max_new_tokens or data.max_prompt_tokens, or use a model "
                       "with a longer context")

@@ -112,3 +112,307 @@ def test_mopd_without_a_teacher_for_a_domain(tmp_path):
     with pytest.raises(Exception, match="unknown teacher_id 'if'.*known teachers: math, code"):
         R.mopd_stage(cfg, student, {"math": student, "code": student}, progress=False)
     assert not (Path(cfg.output_dir) / cfg.name / "student").exists()
+
+
+# ---------------------------------------------------------------- pre-flight (mopd_core/preflight.py)
+# Each case: a one-line MopdError naming the field/file and the fix, raised before any compute, and no stage
+# folder (nor the output dir) created.
+
+from mopd_core import errors as E  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A saved tiny checkpoint (untrained) and its config: the --init/teacher/eval model of the cases below."""
+    root = tmp_path_factory.mktemp("tiny_model")
+    cfg = load_config("tiny", tiny_overrides(root / "unused"))
+    return build_tiny(cfg.model, root / "model")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncated(tiny_model, tmp_path) -> Path:
+    bad = _copy(tiny_model, tmp_path / "truncated")
+    w = bad / "model.safetensors"
+    with open(w, "r+b") as f:
+        f.truncate(w.stat().st_size // 2)
+    return bad
+
+
+def _nothing_written(out: Path):
+    assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+def _one(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, E.MopdError)
+    return msg
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "model.safetensors' is truncated or corrupt"),
+    ("no_config", "is not a model checkpoint (no config.json)"),
+    ("bad_config", "config.json' is not valid JSON"),
+    ("no_tokenizer", "has no tokenizer"),
+    ("no_weights", "has no weights (model.safetensors)"),
+    ("missing", "does not exist"),
+])
+def test_init_that_does_not_load_fails_before_any_folder(tiny_model, tmp_path, damage, needle):
+    bad = tmp_path / "init"
+    if damage == "truncate":
+        bad = _truncated(tiny_model, tmp_path)
+    elif damage != "missing":
+        _copy(tiny_model, bad)
+        if damage == "no_config":
+            (bad / "config.json").unlink()
+        elif damage == "bad_config":
+            (bad / "config.json").write_text('{"model_type": "llama",')
+        elif damage == "no_tokenizer":
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                (bad / f).unlink()
+        elif damage == "no_weights":
+            (bad / "model.safetensors").unlink()
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    with pytest.raises(E.ModelError) as e:
+        R.expert_stage(cfg, "math", bad, progress=False)
+    msg = _one(e)
+    assert needle in msg and str(bad) in msg and "--init" in msg, msg
+    _nothing_written(tmp_path / "out")
+
+
+def test_weights_of_another_shape_name_the_tensor(tiny_model, tmp_path):
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + ["model.tiny.hidden_size=128"])
+    wide = build_tiny(cfg.model, tmp_path / "wide")
+    bad = _copy(tiny_model, tmp_path / "mixed")
+    (bad / "model.safetensors").write_bytes((wide / "model.safetensors").read_bytes())
+    with pytest.raises(E.ModelError) as e:
+        R.eval_stage(cfg, {"student": bad})
+    msg = _one(e)
+    assert "eval model 'student'" in msg and "shape [" in msg and "config.json describes" in msg, msg
+
+
+def test_cli_truncated_init_is_one_line_exit_2(tiny_model, tmp_path):
+    bad = _truncated(tiny_model, tmp_path)
+    sets = [a for o in tiny_overrides(tmp_path / "out") for a in ("--set", o)]
+    p = _cli("stage", "expert", *sets, "--domain", "math", "--init", str(bad))
+    _one_line_error(p, f"--init '{bad}/model.safetensors' is truncated or corrupt")
+    _nothing_written(tmp_path / "out")
+
+
+def test_teacher_that_does_not_load_fails_before_any_folder(tiny_model, tmp_path):
+    bad = _truncated(tiny_model, tmp_path)
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    with pytest.raises(E.ModelError) as e:
+        R.mopd_stage(cfg, tiny_model, {"math": tiny_model, "code": bad, "if": tiny_model}, progress=False)
+    assert "teacher 'code'" in _one(e) and str(bad) in str(e.value)
+    _nothing_written(tmp_path / "out")
+
+
+def _budget(tmp_path):
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    return cfg.data.max_prompt_tokens, cfg.model.tiny.max_position_embeddings
+
+
+def test_completion_over_the_model_context_fails_before_sft(tmp_path):
+    P, ctx = _budget(tmp_path)
+    T = ctx - P  # P + T = ctx fits as a sequence, but SFT's EOS (+1) does not
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"rollout.max_new_tokens={T}"])
+    with pytest.raises(E.ConfigError) as e:
+        R.run_recipe(cfg, progress=False)
+    assert _one(e) == (f"prompt + completion + 1 = data.max_prompt_tokens={P} + rollout.max_new_tokens={T} + 1 = "
+                       f"{ctx + 1} exceeds the {ctx} positions of the tiny model (model.tiny.max_position_embeddings)"
+                       " — lower rollout.max_new_tokens or data.max_prompt_tokens, or use a model with a longer "
+                       "context")
+    _nothing_written(tmp_path / "out")
+    with pytest.raises(E.ConfigError, match=f"= {ctx + 1} exceeds"):  # the one-stage entry point too
+        R.sft_stage(cfg, progress=False)
+    _nothing_written(tmp_path / "out")
+    R.preflight.check_stage(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+        update={"max_new_tokens": T - 1})}), "sft")  # one token less fits
+
+
+def test_eval_budget_over_the_context_names_eval_max_new_tokens(tiny_model, tmp_path):
+    P, ctx = _budget(tmp_path)
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"eval.max_new_tokens={ctx - P}"])
+    with pytest.raises(E.ConfigError, match=rf"data.max_prompt_tokens={P} \+ eval.max_new_tokens={ctx - P} \+ 1 = "
+                                            rf"{ctx + 1} exceeds the {ctx} positions of eval model 'sft'"):
+        R.eval_stage(cfg, {"sft": tiny_model})
+
+
+def test_local_teacher_with_a_shorter_context(tiny_model, tmp_path):
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    need = cfg.max_seq_len() + 1
+    short_cfg = load_config("tiny", tiny_overrides(tmp_path / "x") + [f"model.tiny.max_position_embeddings={need - 1}"])
+    short = build_tiny(short_cfg.model, tmp_path / "short")
+    with pytest.raises(E.ConfigError) as e:
+        R.mopd_stage(cfg, tiny_model, {"math": tiny_model, "code": short, "if": tiny_model}, progress=False)
+    msg = _one(e)
+    assert f"= {need} exceeds the {need - 1} positions of teacher 'code' '{short}'" in msg, msg
+    _nothing_written(tmp_path / "out")
+
+
+def test_dataset_row_over_max_prompt_tokens_fails_before_sft(tmp_path):
+    rows = _rows(10) + _rows(10, "code")
+    P, _ = _budget(tmp_path)
+    long = "1+" * P + "="  # one token per character: 2P + 1 tokens
+    rows[13] = {"prompt": long, "teacher_id": "code", "answer": str(P + 1)}
+    src = _jsonl(tmp_path / "d.jsonl", rows)
+    cfg = _data_cfg(tmp_path, src)
+    with pytest.raises(E.DataError) as e:
+        R.run_recipe(cfg, progress=False)
+    msg = _one(e)
+    assert f"{src} row 13: prompt of {2 * P + 1} tokens exceeds data.max_prompt_tokens={P}" in msg, msg
+    assert "raise data.max_prompt_tokens" in msg and "drop the row" in msg
+    _nothing_written(tmp_path / "out")
+    with pytest.raises(E.DataError, match="row 13"):  # every stage checks it, not only the recipe
+        R.sft_stage(cfg, progress=False)
+    _nothing_written(tmp_path / "out")
+
+
+def test_output_dir_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_text("in the way")
+    p = _cli("recipe", "--set", f"output_dir={tmp_path}/file/runs")
+    _one_line_error(p, f"output_dir={tmp_path}/file/runs: '{tmp_path}/file' is a regular file, not a folder")
+    assert (tmp_path / "file").read_text() == "in the way" and sorted(tmp_path.iterdir()) == [tmp_path / "file"]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real small filesystem (needs mount rights; skipped without them)."""
+    import subprocess as sp
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+
+    def mount(size: str, ro: bool = False) -> Path:
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = sp.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        return mnt
+
+    yield mount
+    sp.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_read_only_output_dir(tmp_path, tmpfs):
+    ro = tmpfs("1m", ro=True)
+    cfg = load_config("tiny", tiny_overrides(ro / "runs"))
+    with pytest.raises(E.ConfigError) as e:
+        R.run_recipe(cfg, progress=False)
+    msg = _one(e)
+    assert f"output_dir={ro}/runs is not writable: cannot create files in '{ro}'" in msg and "Read-only" in msg
+
+
+def test_read_only_output_dir_without_mount_rights(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    with pytest.raises(E.ConfigError, match=r"output_dir=.* is not writable: .*Read-only file system\) — choose"):
+        R.sft_stage(cfg, progress=False)
+    _nothing_written(tmp_path / "out")
+
+
+def test_output_dir_without_the_space_of_a_checkpoint(tmp_path, tmpfs):
+    small = tmpfs("1m")
+    cfg = load_config("tiny", tiny_overrides(small / "runs"))
+    with pytest.raises(E.DiskFullError) as e:
+        R.run_recipe(cfg, progress=False)
+    msg = _one(e)
+    assert f"output_dir={small}/runs: the disk holding '{small}' has 1.0 MiB free" in msg, msg
+    assert "a checkpoint of this stage needs about" in msg and "free disk space" in msg
+    assert not any(small.iterdir())
+
+
+def test_disk_space_estimate_is_weights_plus_adam_state(tiny_model, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from mopd_core import preflight
+    from mopd_core.models import inspect_checkpoint
+
+    n = inspect_checkpoint(tiny_model).num_params
+    need = n * 4 * 3 + preflight.MARGIN_BYTES
+    assert preflight.checkpoint_bytes(n, "float32") == need
+    usage = namedtuple("usage", "total used free")
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out"))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need - 1))
+    with pytest.raises(E.DiskFullError, match=rf"\({n:,} parameters × 3"):
+        R.expert_stage(cfg, "math", tiny_model, progress=False)
+    _nothing_written(tmp_path / "out")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need))
+    R.preflight.check_stage(cfg, "expert-math", student=tiny_model)  # exactly enough: passes
+
+
+# ---------------------------------------------------------------- a full disk while writing a checkpoint
+
+
+def _hash_tree(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(f.relative_to(d)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.rglob("*"))
+            if f.is_file()}
+
+
+def _enospc():
+    import errno
+
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_model, tmp_path, monkeypatch):
+    from mopd_core.train import checkpoint as ck
+
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + ["expert.steps=3", "expert.save_every=1"])
+    stage_dir = cfg.run_dir() / "expert-math"
+    real_save, seen = ck.torch.save, {}
+
+    def save(obj, path, *a, **k):  # the 2nd checkpoint's loop state: half written, then the disk is full
+        if Path(path).parent.name == ".step-000002.tmp":
+            seen["before"] = _hash_tree(stage_dir / "checkpoints" / "step-000001")
+            Path(path).write_bytes(b"partial")
+            raise _enospc()
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", save)
+    with pytest.raises(E.DiskFullError) as e:
+        R.expert_stage(cfg, "math", tiny_model, progress=False)
+    msg = _one(e)
+    assert "disk full writing checkpoint" in msg and "MiB free" in msg and "previous checkpoint" in msg, msg
+    assert _hash_tree(stage_dir / "checkpoints" / "step-000001") == seen["before"]  # byte-identical
+    assert [d.name for d in (stage_dir / "checkpoints").iterdir()] == ["step-000001"]  # the temp dir is gone
+    assert json.loads((stage_dir / "stage.json").read_text())["status"] == "running"
+    monkeypatch.setattr(ck.torch, "save", real_save)  # space again: the rerun resumes from step 1 and finishes
+    out = R.expert_stage(cfg, "math", tiny_model, progress=False)
+    assert json.loads((stage_dir / "stage.json").read_text())["status"] == "done" and out.model_dir.is_dir()
+
+
+def test_full_disk_writing_final_keeps_the_previous_final(tiny_model, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + ["expert.steps=2", "expert.save_every=1"])
+    first = R.expert_stage(cfg, "math", tiny_model, progress=False)
+    before = _hash_tree(first.model_dir)
+    real = PreTrainedModel.save_pretrained
+
+    def save(self, out_dir, *a, **k):
+        if Path(out_dir).name == "final.tmp":  # final/ of the continued stage: the disk fills mid-write
+            (Path(out_dir) / "model.safetensors").write_bytes(b"partial")
+            raise _enospc()
+        return real(self, out_dir, *a, **k)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save)
+    more = load_config("tiny", tiny_overrides(tmp_path / "out") + ["expert.steps=3", "expert.save_every=1"])
+    with pytest.raises(E.DiskFullError, match=r"disk full writing the model .*final"):
+        R.expert_stage(more, "math", tiny_model, progress=False)
+    assert _hash_tree(first.model_dir) == before  # the previous final/ is untouched
+    assert sorted(p.name for p in first.stage_dir.iterdir() if p.name.startswith("final")) == ["final"]
