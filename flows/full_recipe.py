@@ -4,7 +4,6 @@ teacher servers live from serve_teachers to the end of the mopd stage and are st
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -16,13 +15,6 @@ from tasks.runs import (close_recipe_run, compare_to_champion, find_champion, op
                         validate_parameters)
 from tasks.stages import as_ref, evaluate_task, expert_task, mopd_task, sft_task
 from tasks.teachers import serve_teachers_task, stop_teachers
-
-
-def _present(task_obj, result: dict, *args, **kw) -> dict:
-    """A cached result whose model folder was deleted since: run the stage again."""
-    if Path(result["path"]).exists():
-        return result
-    return task_obj.with_options(refresh_cache=True)(*args, **kw)
 
 
 @flow(name="full-recipe", task_runner=ThreadPoolTaskRunner(max_workers=4),
@@ -56,7 +48,7 @@ def full_recipe(
     fresh = set(refresh or [])
 
     def opts(task_obj, stage: str, run_name: str):
-        return task_obj.with_options(task_run_name=run_name, refresh_cache=("all" in fresh or stage in fresh))
+        return task_obj.with_options(task_run_name=run_name)
 
     def is_fresh(stage: str) -> bool:
         return "all" in fresh or stage in fresh
@@ -64,7 +56,8 @@ def full_recipe(
     parent = open_recipe_run(cfg, "full-recipe", {"refresh": ",".join(sorted(fresh)) or "-"})
     try:
         args = ("sft", cfg, {}, parent, is_fresh("sft"))
-        s = _present(sft_task, opts(sft_task, "sft", "sft")(*args), *args)
+        # a stage is reused (task state Cached) while its folder and MLflow run still hold its result
+        s = opts(sft_task, "sft", "sft").submit(*args).result()
         stages = {"sft": s}
         domains = cfg.expert_domains()
         eargs = {d: (f"expert:{d}", cfg, {"init": as_ref(s)}, parent, is_fresh(f"expert-{d}")) for d in domains}
@@ -72,8 +65,8 @@ def full_recipe(
             futs = {d: opts(expert_task, f"expert-{d}", f"expert-{d}").submit(*eargs[d]) for d in domains}
             experts = {d: f.result() for d, f in futs.items()}
         else:
-            experts = {d: opts(expert_task, f"expert-{d}", f"expert-{d}")(*eargs[d]) for d in domains}
-        experts = {d: _present(expert_task, r, *eargs[d]) for d, r in experts.items()}
+            experts = {d: opts(expert_task, f"expert-{d}", f"expert-{d}").submit(*eargs[d]).result()
+                       for d in domains}
         stages.update({f"expert-{d}": r for d, r in experts.items()})
         # teachers.backend=http: vLLM servers from here until the student is trained (none when it is reused)
         served = serve_teachers_task(cfg, {d: as_ref(r) for d, r in experts.items()}, as_ref(s), parent,
@@ -82,7 +75,7 @@ def full_recipe(
             margs = ("mopd", cfg, {"init": as_ref(s), **{f"teacher.{d}": r for d, r in served["teachers"].items()}},
                      parent, is_fresh("student"))
             ep = {"endpoints": served["manifest"]}
-            student = _present(mopd_task, opts(mopd_task, "student", "mopd")(*margs, **ep), *margs, **ep)
+            student = opts(mopd_task, "student", "mopd").submit(*margs, **ep).result()
         finally:
             stop_teachers(served)  # every server it started, also when the stage failed
         stages["student"] = student
@@ -93,7 +86,8 @@ def full_recipe(
         if cfg.model.base == "tiny":
             models = {"base": {"ref": str((cfg.run_dir() / "base").resolve()),
                                "path": str((cfg.run_dir() / "base").resolve())}, **models}
-        ev = opts(evaluate_task, "evaluate", "evaluate")("evaluate", cfg, models, parent, is_fresh("evaluate"))
+        ev = opts(evaluate_task, "evaluate", "evaluate").submit("evaluate", cfg, models, parent,
+                                                                is_fresh("evaluate")).result()
         report = report_task(cfg, parent, ev, stages)
         result = {"parent_run_id": parent, "stages": stages, "accuracy": ev["accuracy"], "table": ev["table"],
                   "report": report}

@@ -40,8 +40,8 @@ def sft_flow(config: str = "tiny", overrides: list[str] | None = None, name: str
     cfg, refs, _ = validate_parameters("sft", config, overrides, sections, _top(name, seed, output_dir),
                                        refs={"base": base} if base else None)
     cfg = adhoc_config(cfg, "sft", refs)
-    return _in_parent(cfg, "sft", lambda parent: sft_task.with_options(refresh_cache=refresh)(
-        "sft", cfg, refs, parent, refresh), {"input.base": base or cfg.model.base})
+    return _in_parent(cfg, "sft", lambda parent: sft_task.submit(
+        "sft", cfg, refs, parent, refresh).result(), {"input.base": base or cfg.model.base})
 
 
 @flow(name="expert-rl", description="GRPO expert for one domain from an SFT model.")
@@ -60,7 +60,7 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
                              f"{cfg.domain_names()}")
     cfg = adhoc_config(cfg, f"expert:{domain}", refs)
     return _in_parent(cfg, "expert-rl", lambda parent: expert_task.with_options(
-        task_run_name=f"expert-{domain}", refresh_cache=refresh)(f"expert:{domain}", cfg, refs, parent, refresh),
+        task_run_name=f"expert-{domain}").submit(f"expert:{domain}", cfg, refs, parent, refresh).result(),
         {"input.init": init, "domain": domain})
 
 
@@ -137,9 +137,8 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
         served = serve_teachers_task(cfg, trefs, refs["init"], parent, refresh)
         try:
             inputs2 = {"init": refs["init"], **{f"teacher.{d}": r for d, r in served["teachers"].items()}}
-            return mopd_task.with_options(task_run_name="mopd", refresh_cache=refresh)("mopd", cfg, inputs2, parent,
-                                                                                      refresh,
-                                                                 endpoints=served["manifest"])
+            return mopd_task.with_options(task_run_name="mopd").submit(
+                "mopd", cfg, inputs2, parent, refresh, endpoints=served["manifest"]).result()
         finally:
             stop_teachers(served)  # every server it started, also when the stage failed
 
@@ -158,4 +157,4 @@ def evaluate_flow(models: dict[str, str], config: str = "tiny", overrides: list[
                                        refs={f"models.{k}": v for k, v in models.items()})
     inputs = {k.removeprefix("models."): v for k, v in refs.items()}
     cfg = adhoc_config(cfg, "evaluate", inputs)
-    return _in_parent(cfg, "evaluate", lambda parent: evaluate_task("evaluate", cfg, inputs, parent), {})
+    return _in_parent(cfg, "evaluate", lambda parent: evaluate_task.submit("evaluate", cfg, inputs, parent).result(), {})

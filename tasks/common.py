@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from . import tracking
 
-# config sections that determine each stage's result (the engine's fingerprints use the same ones)
+# config sections logged as each stage's MLflow params (what the stage ran with — its identity is the engine's
+# fingerprint, `stage_key`)
 STAGE_SECTIONS = {
     "sft": ("model", "data", "sft", "rollout", "eval"),
     "expert": ("data", "rollout", "expert", "eval"),
@@ -20,7 +21,8 @@ STAGE_SECTIONS = {
     "mopd": ("data", "rollout", "teachers", "mopd", "eval"),
     "evaluate": ("data", "rollout", "eval"),
 }
-SIDECAR = "orchestration.json"
+SIDECAR = "orchestration.json"  # in a stage folder: the cache key + the task result (MLflow run, registered model)
+EVAL_SIDECAR = "evaluate.json"  # the same for the evaluate task, in the run folder
 
 
 class ParameterError(ValueError):
@@ -36,14 +38,6 @@ class RegressionError(RuntimeError):
 # `ref` is what lineage tags and cache keys record, `path` a local copy when one is known.
 
 
-def ref_identity(ref: Mapping[str, Any]) -> str:
-    from mopd_core.recipe import model_ref_id
-
-    if tracking.is_model_uri(ref["ref"]):
-        return ref["ref"]
-    return model_ref_id(ref.get("path") or ref["ref"])
-
-
 def local_path(ref: Mapping[str, Any], cache_dir: Path) -> Path:
     p = ref.get("path")
     if p and (Path(p) / "config.json").exists():
@@ -55,50 +49,122 @@ def refs_cache_dir(cfg) -> Path:
     return (cfg.run_dir() / "refs").resolve()
 
 
-# ---------------------------------------------------------------- cache keys
+# ---------------------------------------------------------------- one stage identity
+# The engine's fingerprint (config that determines the result, seed, input model identities, RESULTS_VERSION) is
+# the only identity of a stage. There is no second cache: Prefect's result cache is off for the stage tasks, and
+# each task first checks the stage folder's sidecar — its key (`stage_key`: fingerprint + target steps + run
+# folder) and the MLflow run and model version it recorded. While the folder holds that finished stage and the
+# tracking store still has its run, the task ends `Cached` with the recorded result. Otherwise the task runs and
+# the engine reuses (brings back, continues) the stage by its fingerprint — a deleted folder, a folder set aside
+# by another config or a fresh MLflow store never yields a stale result; nothing here deletes a stage folder
+# except an explicit `refresh`.
+
+
+def input_identities(inputs: Mapping[str, Mapping[str, Any]], cfg) -> dict[str, str]:
+    return {k: ref_identity(v, cfg) for k, v in sorted(inputs.items())}
+
+
+def ref_identity(ref: Mapping[str, Any], cfg=None) -> str:
+    """The engine's identity of an input model (`model_ref_id` of its local copy; a registry reference without
+    one is resolved — downloaded once into the run's refs cache — since its identity file travels with it)."""
+    from mopd_core.recipe import model_ref_id
+
+    p = ref.get("path")
+    if p and Path(p).exists():
+        return model_ref_id(p)
+    if tracking.is_model_uri(ref["ref"]):
+        if cfg is None:
+            return ref["ref"]
+        return model_ref_id(local_path(ref, refs_cache_dir(cfg)))
+    return model_ref_id(ref["ref"])
+
+
+def identity(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]]):
+    from mopd_core.recipe import stage_identity
+
+    return stage_identity(cfg, stage, input_identities(inputs, cfg))
 
 
 def stage_key(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]], extra: Any = None) -> str:
-    """(stage, its config sections, seed, dtype, output location, input model identities, code version)."""
-    dump = cfg.model_dump(mode="json")
-    blob = {
-        "stage": stage, "extra": extra, "seed": cfg.seed, "dtype": cfg.runtime.dtype,
-        "run_dir": str(cfg.run_dir().resolve()),
-        "sections": {s: dump[s] for s in STAGE_SECTIONS[stage.split(":")[0]]},
-        "inputs": {k: ref_identity(v) for k, v in sorted(inputs.items())},
-        "code": tracking.code_version(),
-    }
+    """(stage, engine fingerprint, target steps, run folder): what the stage's result is and where it lies."""
+    ident = identity(stage, cfg, inputs)
+    blob = {"stage": stage, "fingerprint": ident.fingerprint, "steps": ident.steps, "extra": extra,
+            "run_dir": str(cfg.run_dir().resolve())}
     return f"mopd-{stage.replace(':', '-')}-" + hashlib.sha256(
         json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def cache_key_fn(context, parameters: Mapping[str, Any]) -> str:
-    """Prefect cache key of a stage task: its parameters `stage`, `cfg`, `inputs` (not the MLflow parent)."""
-    return stage_key(parameters["stage"], parameters["cfg"], parameters.get("inputs") or {},
-                     parameters.get("extra"))
+def sidecar_path(stage: str, cfg) -> Path:
+    from mopd_core.recipe import stage_dir
+
+    return stage_dir(cfg, stage) / (EVAL_SIDECAR if stage == "evaluate" else SIDECAR)
 
 
-def prepare_stage_dir(stage_dir: Path, key: str, refresh: bool, logger) -> None:
-    """Before a stage runs: `refresh` discards its folder; a finished folder made by another cache key (other
-    inputs or code) is discarded too, so the engine does not reuse it under a new identity. An interrupted one
-    (status running) is left for the engine to resume."""
+def read_sidecar(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_sidecar(path: Path, key: str, result: Mapping[str, Any]) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, **result}, indent=2, default=str))
+    tmp.replace(path)
+
+
+def tracked_result(stage: str, cfg, key: str, fingerprint: str | None = None) -> dict | None:
+    """The recorded result of this stage when it is still true: the sidecar has this key, the stage folder (in
+    place, not set aside) is finished under `fingerprint`, and the MLflow run and registered model it names
+    exist in the current tracking store. None otherwise (the task must run)."""
     from mopd_core.train.checkpoint import read_stage
 
-    if not stage_dir.exists():
-        return
-    if refresh:
+    side = read_sidecar(sidecar_path(stage, cfg))
+    if not side or side.get("key") != key:
+        return None
+    if stage != "evaluate":
+        info = read_stage(Path(side.get("stage_dir", ""))) or {}
+        if info.get("status") != "done" or (fingerprint and info.get("fingerprint") != fingerprint):
+            return None
+    if not Path(side.get("path") or side.get("dir") or "").exists():
+        return None
+    if not run_exists(side.get("run_id")):
+        return None
+    ref = side.get("ref")
+    if ref and tracking.is_model_uri(ref) and not model_exists(ref, side.get("run_id")):
+        return None
+    return side
+
+
+def run_exists(run_id: str | None) -> bool:
+    """Whether the tracking store has this run (a reset or new store does not)."""
+    if not run_id:
+        return False
+    try:
+        tracking.client().get_run(run_id)
+        return True
+    except Exception as e:  # noqa: BLE001 - MLflow raises MlflowException(RESOURCE_DOES_NOT_EXIST) and others
+        if "RESOURCE_DOES_NOT_EXIST" in str(e) or "not found" in str(e).lower():
+            return False
+        raise  # the store is unreachable: an infrastructure failure, retried, never "missing"
+
+
+def model_exists(ref: str, run_id: str | None = None) -> bool:
+    """Whether the registry has this version (and it was registered from `run_id`: a reset store may reuse the
+    version number for another model)."""
+    try:
+        mv = tracking.model_version(ref)
+    except tracking.ModelRefError:
+        return False
+    return run_id is None or mv.run_id == run_id
+
+
+def discard_stage(stage_dir: Path, logger) -> None:
+    """`refresh`: the explicit way to discard a stage's folder and retrain it."""
+    if stage_dir.exists():
         logger.info("refresh: discarding %s", stage_dir)
         shutil.rmtree(stage_dir)
-        return
-    info = read_stage(stage_dir) or {}
-    side = stage_dir / SIDECAR
-    if info.get("status") == "done" and side.exists() and json.loads(side.read_text()).get("key") != key:
-        logger.info("%s was produced from other inputs or code; retraining", stage_dir)
-        shutil.rmtree(stage_dir)
-
-
-def write_sidecar(stage_dir: Path, key: str, result: Mapping[str, Any]) -> None:
-    (stage_dir / SIDECAR).write_text(json.dumps({"key": key, **result}, indent=2, default=str))
 
 
 # ---------------------------------------------------------------- retries
@@ -200,10 +266,18 @@ def publish_stage(stage: str, recipe_name: str, summary_md: str, run_link: str |
 
 
 def adhoc_config(cfg, stage: str, inputs: Mapping[str, Mapping[str, Any]]):
-    """A single stage started on its own writes under `<output_dir>/<name>/stages/<key>/`, so a run with other
-    parameters or inputs never collides with the full recipe's stage folders (and the same one is reused)."""
-    key = stage_key(stage, cfg, inputs)
-    return cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir) / cfg.name / "stages" / key[-12:])})
+    """A single stage started on its own writes under `<output_dir>/<name>/stages/<fingerprint>/`, so a run with
+    other parameters or inputs never collides with the full recipe's stage folders, the same one is reused, and
+    raising `steps` continues it (steps are no part of the fingerprint). Registry inputs are identified by their
+    reference here (nothing is downloaded while composing the flow)."""
+    from mopd_core.recipe import stage_identity
+
+    ids = {k: (v["ref"] if tracking.is_model_uri(v["ref"]) else ref_identity(v)) for k, v in sorted(inputs.items())}
+    if stage == "serve_teachers":
+        fp = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16]
+    else:
+        fp = stage_identity(cfg, stage, ids).fingerprint
+    return cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir) / cfg.name / "stages" / fp[:12])})
 
 
 def experts_concurrently(cfg, requested: bool | None) -> bool:

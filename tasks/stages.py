@@ -1,6 +1,7 @@
-"""Stage tasks: each wraps one `mopd_core.recipe` stage function with a Prefect cache key (stage config + input
-model references + code version), retries for transient errors only, an MLflow child run (params, streamed
-step metrics, plots, registered model with lineage tags) and Prefect artifacts (summary + MLflow link)."""
+"""Stage tasks: each wraps one `mopd_core.recipe` stage function with the one stage identity (the engine's
+fingerprint: a finished stage whose folder and MLflow run are current ends `Cached`, see tasks/common.py),
+retries for transient errors only, an MLflow child run (params, streamed step metrics, plots, registered model
+with lineage tags) and Prefect artifacts (summary + MLflow link)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,33 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
 
 from . import tracking
-from .common import (STAGE_SECTIONS, cache_key_fn, eval_table, local_path, metrics_summary, prepare_stage_dir,
-                     publish_stage, refs_cache_dir, stage_key, write_sidecar)
+from .common import (STAGE_SECTIONS, discard_stage, eval_table, identity, local_path,
+                     metrics_summary, publish_stage, refs_cache_dir, sidecar_path, stage_key,
+                     tracked_result, write_sidecar)
 from .context import RETRY, prefect_tags
 from .teachers import live_teachers, record_restarts
 
-CACHED = dict(cache_key_fn=cache_key_fn, persist_result=True, **RETRY)
+# No Prefect result cache: the stage folder (the engine's fingerprint) + its sidecar (the MLflow run) are the one
+# cache, checked first thing in each task; a reused stage's task run ends in a `Cached` state. Call the tasks
+# with `.submit(...).result()` (a direct call would hand back that state object).
+CACHED = dict(cache_policy=NO_CACHE, **RETRY)
 
 
-def _last_checkpoint_step(stage_dir: Path) -> int:
+def cached(result: dict, message: str):
+    """The task run's final state for a stage reused as it is: named `Cached` in the UI, `result` as its value."""
+    return Completed(name="Cached", data=result, message=message)
+
+
+def _last_checkpoint_step(stage_dir: Path, fingerprint: str, steps: int | None) -> int:
+    """The step the engine will resume this stage from (0: it starts, or it is finished at `steps`)."""
     from mopd_core.train.checkpoint import last_checkpoint_step, read_stage
 
     info = read_stage(stage_dir) or {}
-    if info.get("status") == "done":
+    if info.get("fingerprint") != fingerprint or (info.get("status") == "done" and info.get("steps") == steps):
         return 0
     return last_checkpoint_step(stage_dir)
 
@@ -37,15 +50,35 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
     """`on_end(run_id, stage_output | None)`: extra tracking before the child run ends (None: the stage failed)."""
     from mopd_core.recipe import setup_runtime
 
+    from mopd_core.train.checkpoint import claim_stage, stage_done
+
     logger = get_run_logger()
     key = stage_key(stage, cfg, inputs)
-    prepare_stage_dir(stage_dir, key, refresh, logger)
-    resumed = _last_checkpoint_step(stage_dir)
-    if resumed:
+    ident = identity(stage, cfg, inputs)
+    if refresh:
+        discard_stage(stage_dir, logger)
+    else:
+        if stage_done(stage_dir, ident.fingerprint, ident.steps) is not None:
+            claim_stage(stage_dir, ident.fingerprint)  # brings back a folder set aside for this fingerprint
+        side = tracked_result(stage, cfg, key, ident.fingerprint)
+        if side is not None:  # Prefect's own result store was lost or refreshed: the folder and run still hold
+            msg = f"{label}: finished stage {stage_dir} and its MLflow run {side['run_id']} are current — reused"
+            logger.info(msg)
+            return cached({k: v for k, v in side.items() if k != "key"}, msg)
+    # a finished stage (here or set aside) that the tracking store does not know: logged and registered again
+    # from its folder (params, metrics.jsonl, plots, eval, model with lineage tags) in a new run
+    retracked = stage_done(stage_dir, ident.fingerprint, ident.steps) is not None
+    resumed = _last_checkpoint_step(stage_dir, ident.fingerprint, ident.steps)
+    if retracked:
+        logger.info("%s: already trained in %s (fingerprint %s) — logging it to the tracking store again",
+                    label, stage_dir, ident.fingerprint)
+    elif resumed:
         logger.info("%s: resuming from the checkpoint of step %d", label, resumed)
     setup_runtime(cfg)
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
-                                tags={"mopd.stage": label, "mopd.cache_key": key, **prefect_tags()})
+                                tags={"mopd.stage": label, "mopd.cache_key": key, "mopd.stage_fingerprint":
+                                      ident.fingerprint, "mopd.retracked": str(retracked).lower(),
+                                      **prefect_tags()})
     link = out = None
     try:
         link = tracking.run_url(run_id)
@@ -75,8 +108,8 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
             info = read_stage(stage_dir) or {}
             tags = {**{f"{tracking.INPUT_TAG_PREFIX}{k}": v["ref"] for k, v in inputs.items()},
                     "mopd.stage": label, "mopd.recipe": cfg.name, "mopd.cache_key": key,
-                    "mopd.stage_fingerprint": info.get("fingerprint", ""), "mopd.code_version":
-                    tracking.code_version(), "mopd.git_sha": tracking.git_sha(), "mopd.seed": cfg.seed,
+                    "mopd.stage_fingerprint": info.get("fingerprint", ""), "mopd.results_version":
+                    info.get("results_version", ""), "mopd.git_sha": tracking.git_sha(), "mopd.seed": cfg.seed,
                     **{f"eval.{d}.{m}": v for d, r in ev.items() for m, v in r.items()}}
             model_uri = tracking.log_model(run_id, out.model_dir, registered, tags)
             tracking.set_tags(run_id, {"mopd.registered_model": model_uri})
@@ -92,11 +125,12 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         raise
     result = {"stage": label, "ref": model_uri or str(Path(out.model_dir).resolve()),
               "path": str(Path(out.model_dir).resolve()), "stage_dir": str(stage_dir.resolve()), "eval": ev,
-              "wall_s": wall, "run_id": run_id, "key": key, "resumed_from_step": resumed,
-              "steps_logged": len(rows)}
-    write_sidecar(stage_dir, key, result)
+              "wall_s": wall, "run_id": run_id, "resumed_from_step": resumed, "retracked": retracked,
+              "steps_logged": len(rows), "fingerprint": ident.fingerprint}
+    write_sidecar(sidecar_path(stage, cfg), key, result)
     publish_stage(label, cfg.name, f"# {label}\n\nmodel: `{result['ref']}`  \nwall: {wall:.1f} s"
                   + (f"  \nresumed from step {resumed}" if resumed else "")
+                  + ("  \nreused from its folder (logged to this tracking store again)" if retracked else "")
                   + f"\n\n## held-out accuracy (%)\n\n{eval_table(ev)}\n\n## step metrics\n\n"
                   + metrics_summary(rows), link)
     return result
@@ -172,6 +206,12 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
 
     logger = get_run_logger()
     key = stage_key(stage, cfg, inputs)
+    if not refresh:
+        side = tracked_result("evaluate", cfg, key)
+        if side is not None:
+            msg = f"evaluate: the same models were evaluated in MLflow run {side['run_id']} — reused"
+            logger.info(msg)
+            return cached({k: v for k, v in side.items() if k != "key"}, msg)
     R.setup_runtime(cfg)
     run_id = tracking.start_run(cfg.name, "evaluate", parent_run_id,
                                 tags={"mopd.stage": "evaluate", "mopd.cache_key": key, **prefect_tags()})
@@ -199,5 +239,7 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
         tracking.end_run(run_id, "FAILED")
         raise
     logger.info("held-out accuracy:\n%s", table)
-    return {"accuracy": acc, "table": table, "run_id": run_id, "key": key, "wall_s": wall,
-            "models": {k: v["ref"] for k, v in inputs.items()}, "dir": str(out.resolve())}
+    result = {"accuracy": acc, "table": table, "run_id": run_id, "wall_s": wall,
+              "models": {k: v["ref"] for k, v in inputs.items()}, "dir": str(out.resolve())}
+    write_sidecar(sidecar_path("evaluate", cfg), key, result)
+    return result

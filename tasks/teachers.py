@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from prefect import get_run_logger, task
 
 from . import tracking
-from .common import SIDECAR, local_path, publish_stage, refs_cache_dir, stage_key
+from .common import local_path, publish_stage, refs_cache_dir
 from .context import RETRY, prefect_tags
 
 _LIVE: dict[str, Any] = {}  # manifest path → started serving.TeacherServers
@@ -67,9 +67,8 @@ def _mode(cfg) -> str:
 def _student_reused(cfg, student: Mapping[str, Any], refs: Mapping[str, Mapping[str, Any]], student_path: Path,
                     teacher_paths: Mapping[str, Path], refresh: bool) -> str | None:
     """Why the mopd task will need no teacher (it reuses a finished stage), or None when it will train. Mirrors
-    the mopd task: `refresh` discards the folder, a finished folder of another cache key is discarded
-    (`prepare_stage_dir`), else the engine's fingerprint check decides. A wrong "reused" costs nothing but time:
-    the mopd stage then starts its own servers."""
+    the mopd task: `refresh` discards the folder, else the engine's fingerprint check decides (the one stage
+    identity). A wrong "reused" costs nothing but time: the mopd stage then starts its own servers."""
     from mopd_core import recipe as R
 
     if cfg.mopd.w_kd <= 0:
@@ -80,10 +79,6 @@ def _student_reused(cfg, student: Mapping[str, Any], refs: Mapping[str, Mapping[
     if info is None:
         return None
     stage_dir = cfg.run_dir() / "student"
-    side = stage_dir / SIDECAR
-    key = stage_key("mopd", cfg, {"init": student, **{f"teacher.{d}": r for d, r in refs.items()}})
-    if side.exists() and json.loads(side.read_text()).get("key") != key:
-        return None  # made from other inputs or code: the mopd task retrains
     return (f"the student stage is already finished in {stage_dir} ({info.get('steps')} steps, fingerprint "
             f"{info.get('fingerprint')}): the mopd task reuses it")
 

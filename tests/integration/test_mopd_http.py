@@ -27,6 +27,10 @@ def _rows(p: Path):
 
 
 def test_mopd_through_vllm_servers_equals_local_teachers(tmp_path):
+    """Only what is equal by construction is compared: step 1 of both stages starts from the same student and
+    samples the same batch (per-step seeded), so its metrics differ only by the teachers' per-token log-probs
+    on the same tokens (vLLM vs transformers kernels: ~1e-6). After an update the trajectories may drift apart by
+    the machine's floating-point paths, so later steps are not compared — only that both trained."""
     two = ["data.domains=[{name: math, source: 'synthetic:math', eval_size: 8}, "
            "{name: if, source: 'synthetic:if', eval_size: 8}]", "sft.mix=null", "mopd.mix=null", "mopd.steps=2",
            f"teachers.serve_python={VLLM_PY}"]
@@ -41,11 +45,24 @@ def test_mopd_through_vllm_servers_equals_local_teachers(tmp_path):
     http.teachers.backend = "http"
     b = R.mopd_stage(http, sft.model_dir, teachers, progress=False)
     ra, rb = _rows(a.stage_dir / "metrics.jsonl"), _rows(b.stage_dir / "metrics.jsonl")
-    for x, y in zip(ra, rb):
-        for key in ("reverse_kl/math", "reverse_kl/if", "loss", "reward/math"):
-            assert y[key] == pytest.approx(x[key], abs=1e-4), key
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [1, 2]
+    x, y = ra[0], rb[0]
+    for key in ("reward/math", "reward/if", "length/math", "length/if"):  # the same sampled batch
+        assert y[key] == x[key], key
+    for key in ("reverse_kl/math", "reverse_kl/if", "loss"):  # the same tokens scored by the same weights
+        assert y[key] == pytest.approx(x[key], abs=1e-4), key
+    assert x["reverse_kl/if"] != pytest.approx(x["reverse_kl/math"], abs=1e-3)  # two different teachers
+    for stage in (a, b):  # both trained: the student's weights moved away from the SFT model
+        assert _differs(stage.model_dir, sft.model_dir)
     manifest = json.loads((b.stage_dir / "teachers" / "endpoints.json").read_text())
     assert set(manifest) == {"math", "if"}
     for entry in manifest.values():  # every server the stage started is gone
         assert entry["pid"] and not Path(f"/proc/{entry['pid']}").exists()
         assert Path(entry["log"]).exists()
+
+
+def _differs(d1: Path, d2: Path) -> bool:
+    from safetensors.torch import load_file
+
+    w1, w2 = load_file(str(d1 / "model.safetensors")), load_file(str(d2 / "model.safetensors"))
+    return any(not (w1[k] == w2[k]).all() for k in w1)
