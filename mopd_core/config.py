@@ -383,7 +383,10 @@ def load_config(preset: str | Path = "tiny", overrides: list[str] | None = None)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())}) — fix the file") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder named *.yaml, no permission, not UTF-8
+        raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e}) — give a readable UTF-8 "
+                          "YAML file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of config sections")
     return config_from_dict(apply_overrides(data, overrides), source=str(path))

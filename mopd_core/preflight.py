@@ -8,6 +8,8 @@ seconds, names the field or file and the fix, and leaves no stage folder behind.
   match the config, a tokenizer is there (`models.inspect_checkpoint`);
 - prompt + completion + 1 fits the context (`max_position_embeddings`) of the student and every local teacher
   (http teachers: the servers' max-model-len is checked when the router is built, `teachers/http.py`);
+- the device exists, `rollout.backend=vllm` can run here, and the colocated phases fit the memory budget
+  (`runtime.memory_limit_gib`, from parameter counts);
 - every prompt of the data fits `data.max_prompt_tokens`, tokenized with the run's tokenizer (dataset rows: all
   of them, named by file and row; synthetic domains: the eval set and a sample of training prompts);
 - the output dir can be written (nothing in the way is a regular file, files can be created there) and its disk
@@ -51,10 +53,18 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
     ("student", "grpo-baseline"). `student`: the model it starts from (sft: the base; None = `model.base`);
     `teachers` (mopd) and `models` (eval): {name: checkpoint}; `domains`: the built domains (else built here);
     `endpoints`: teachers already served (their checkpoints are not loaded here). Raises a `MopdError`."""
+    from .runtime import device as devlib
+
+    dinfo = devlib.resolve(recipe.runtime.device)  # a device this host lacks: PlacementError, now
     if domains is None:
         from .recipe import build_domains
 
         domains = build_domains(recipe)
+    policy = stage not in ("sft", "eval")  # stages that sample rollouts
+    if policy and recipe.rollout.backend == "vllm":
+        from .rollout.engines import check_vllm_backend
+
+        check_vllm_backend(dinfo.torch_device)
     if stage == "eval":
         evals = [_inspect(recipe, f"eval model '{k}'", v) for k, v in (models or {}).items()]
         for m in evals:
@@ -65,6 +75,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
     base = student is None and stage in ("recipe", "sft")
     stu = _base(recipe) if base else _inspect(recipe, "--init" if stage != "sft" else "--base", student)
     _check_context(recipe, stu, eval=True)
+    local_teachers: dict[str, _Model] = {}
     if teachers and recipe.mopd.w_kd > 0 and not _is_mopd_free(stage):
         served_elsewhere = endpoints is not None or bool(recipe.teachers.endpoints)
         for tid, path in teachers.items():
@@ -73,6 +84,9 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
             t = _inspect(recipe, f"teacher '{tid}'", path)
             if recipe.teachers.backend == "local":  # http: the server's max-model-len is checked at connect
                 _check_context(recipe, t, eval=False)
+                local_teachers[tid] = t
+    if policy and stage != "recipe" and stu.num_params:
+        _check_memory(recipe, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
     stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
     _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
@@ -155,6 +169,18 @@ def _check_context(recipe: RecipeConfig, m: _Model, eval: bool) -> None:
     raise ConfigError(f"prompt + completion + 1 = {parts} + 1 = {need} exceeds the {m.context} positions of "
                       f"{m.label} {where} — lower rollout.max_new_tokens or data.max_prompt_tokens, or use a model "
                       "with a longer context")
+
+
+def _check_memory(recipe: RecipeConfig, kind: str, stu: _Model, teachers: dict[str, _Model]) -> None:
+    """The colocated phase budget (`runtime.phases.check_colocated_fit`, which the loop applies to the loaded
+    models too) from parameter counts: a ColocationError before any folder or model exists."""
+    from .runtime.phases import check_colocated_fit
+
+    b = _DTYPE_BYTES.get(recipe.runtime.dtype, 4)
+    check_colocated_fit(kind=kind, limit_gib=recipe.runtime.memory_limit_gib, student_bytes=stu.num_params * b,
+                        optimizer_factor=2.0, teacher_bytes={k: t.num_params * b for k, t in teachers.items()
+                                                             if t.num_params},
+                        teachers_offload=recipe.teachers.offload, placement=recipe.runtime.placement)
 
 
 # ---------------------------------------------------------------- data

@@ -40,12 +40,16 @@ def load_examples(path: str | os.PathLike, *, split: str | None = None) -> list[
         if split is not None:
             raise DomainError(f"split={split!r} given for {p}, but only a DatasetDict directory has splits; "
                               "remove split")
-        if ext == ".jsonl":
-            rows, columns = _read_jsonl(p), None
-        elif ext == ".json":
-            rows, columns = _read_json(p), None
-        else:
-            rows, columns = _read_parquet(p)
+        try:
+            if ext == ".jsonl":
+                rows, columns = _read_jsonl(p), None
+            elif ext == ".json":
+                rows, columns = _read_json(p), None
+            else:
+                rows, columns = _read_parquet(p)
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
+            raise DomainError(f"cannot read dataset {p} ({type(e).__name__}: {_one_line(e)}); give a readable "
+                              "UTF-8 file") from None
     return _to_examples(rows, p, columns)
 
 

@@ -416,3 +416,30 @@ def test_full_disk_writing_final_keeps_the_previous_final(tiny_model, tmp_path, 
         R.expert_stage(more, "math", tiny_model, progress=False)
     assert _hash_tree(first.model_dir) == before  # the previous final/ is untouched
     assert sorted(p.name for p in first.stage_dir.iterdir() if p.name.startswith("final")) == ["final"]
+
+
+def test_missing_device_fails_before_the_base_is_built(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + ["runtime.device=cuda"])
+    with pytest.raises(E.PlacementError, match="runtime.device=cuda but torch sees no CUDA device"):
+        R.run_recipe(cfg, progress=False)
+    _nothing_written(tmp_path / "out")
+
+
+def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
+    from mopd_core.models import inspect_checkpoint
+    from mopd_core.runtime.phases import ColocationError
+
+    gib = inspect_checkpoint(tiny_model).num_params * 4 / 2**30
+    # train = weights + grads + 2 AdamW moments = 4w; three teachers resident (offload=false) add 3w
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"runtime.memory_limit_gib={6 * gib}",
+                                                                  "teachers.offload=false"])
+    teachers = {"math": tiny_model, "code": tiny_model, "if": tiny_model}
+    with pytest.raises(ColocationError, match=r"phase 'train' needs .* with 3 teacher\(s\) all resident"):
+        R.mopd_stage(cfg, tiny_model, teachers, progress=False)
+    _nothing_written(tmp_path / "out")
+    R.preflight.check_stage(cfg.model_copy(update={"teachers": cfg.teachers.model_copy(update={"offload": True})}),
+                            "student", student=tiny_model, teachers=teachers)  # offloaded: 4w fits 6w
