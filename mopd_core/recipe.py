@@ -159,144 +159,6 @@ TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights"
                          "temperature", "server_dtype"}
 
 
-def teacher_max_seq_len(recipe: RecipeConfig) -> int:
-    """The longest sequence a teacher scores: the student's prompt + completion budget (servers need one more)."""
-    return recipe.max_seq_len()
-
-
-def close_router(router) -> None:
-    """Release what a router's scorers hold (HTTP clients and their thread pools); servers are not touched."""
-    for t in getattr(router, "teachers", {}).values():
-        close = getattr(t, "close", None)
-        if close is not None:
-            close()
-
-
-def _serve(recipe: RecipeConfig, teachers: dict[str, str | Path], student_tok, run_dir: str | Path):
-    """Start one vLLM server per teacher under `run_dir`, then pre-flight them; returns (servers, router). The
-    servers are stopped again if anything fails."""
-    from .models import tokenizer_fingerprint
-    from .teachers.http import build_http_router
-    from .teachers.serving import serve_teachers
-
-    max_seq = teacher_max_seq_len(recipe)
-    # fingerprints and the checkpoints' position limits are checked here, before any server starts
-    servers = serve_teachers(teachers, recipe.teachers, run_dir, max_seq_len=max_seq,
-                             student_fingerprint=tokenizer_fingerprint(student_tok))
-    servers.start()
-    try:
-        return servers, build_http_router(servers, recipe.teachers, student_tok, max_seq_len=max_seq)
-    except BaseException:
-        servers.stop()
-        raise
-
-
-def start_teacher_servers(recipe: RecipeConfig, teachers: dict[str, str | Path], student: str | Path,
-                          run_dir: str | Path, for_mopd: bool = True):
-    """The `serve_teachers` stage: one vLLM OpenAI server per teacher checkpoint on 127.0.0.1 (free port,
-    `--max-logprobs teachers.max_logprobs`, `--max-model-len` = prompt + completion + 1, the configured dtype,
-    parallelism and GPU-memory fraction), logs under `<run_dir>/logs/`, manifest `<run_dir>/endpoints.json`.
-    Pre-flight before returning: every teacher's tokenizer fingerprint equals the student's (checked before
-    any start-up), each server is healthy, tokenizes a probe text like the student and accepts the student's
-    longest sequence. Returns the started `serving.TeacherServers` — the caller stops it (`.stop()`); pass it
-    to `mopd_stage(endpoints=…)` to train against it with supervised restarts. A previous manifest and logs
-    in `run_dir` are removed first, so the folder describes these servers only. `for_mopd=False` (a serving
-    check of some teachers, not a distillation run) skips the check that every domain has a teacher."""
-    from .models import load_tokenizer
-
-    if for_mopd and recipe.teachers.routing == "domain":  # a domain without a teacher fails now, not after start-up
-        from .teachers import check_routing
-
-        check_routing(recipe.domain_names(), teachers.keys())
-    run_dir = Path(run_dir)
-    shutil.rmtree(run_dir / "logs", ignore_errors=True)
-    (run_dir / "endpoints.json").unlink(missing_ok=True)
-    servers, router = _serve(recipe, teachers, load_tokenizer(student), run_dir)
-    close_router(router)
-    return servers
-
-
-def supervise_teacher_servers(servers, seconds: float, poll_s: float = 5.0) -> dict[str, int]:
-    """Keep started servers serving for `seconds`: every `poll_s` a dead one is restarted (bounded by
-    teachers.restarts; then TeacherUnavailable). Returns the restarts per teacher."""
-    deadline = time.monotonic() + float(seconds)
-    while True:
-        for tid in list(servers.servers):
-            if servers.is_dead(tid):
-                servers.restart(tid)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return {tid: servers.restart_counts[tid] for tid in servers.servers}
-        time.sleep(min(poll_s, left))
-
-
-def check_teacher_endpoints(recipe: RecipeConfig, endpoints, student: str | Path) -> dict[str, dict]:
-    """Pre-flight of existing servers (`teachers.endpoints`, a manifest or a TeacherServers): reachable, same
-    tokenizer as the student, max-model-len large enough. Returns their manifest `{teacher_id: {url, model,
-    fingerprint, max_model_len}}` (plus pid/log/restarts for servers started here)."""
-    from .models import load_tokenizer
-    from .teachers.http import build_http_router
-
-    entries = _teacher_manifest(None, endpoints)
-    router = build_http_router(endpoints, recipe.teachers, load_tokenizer(student),
-                               max_seq_len=teacher_max_seq_len(recipe))
-    try:
-        return {tid: {**entries.get(tid, {}), "url": t.url, "model": t.model, "fingerprint": t.fingerprint,
-                      "max_model_len": t.max_model_len} for tid, t in router.teachers.items()}
-    finally:
-        close_router(router)
-
-
-def build_teachers(recipe: RecipeConfig, teachers: dict[str, str | Path], student: str | Path,
-                   stage_dir: Path | None = None, endpoints=None):
-    """A TeacherRouter for the configured backend, every pre-flight check done. Returns (router, servers):
-    `servers` is the TeacherServers this call started (http backend, neither `endpoints` nor
-    `teachers.endpoints` given), which the caller must stop; None otherwise.
-
-    `endpoints`: teachers already running — a `serving.TeacherServers` (restarts dead servers) or a manifest
-    (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped."""
-    if endpoints is not None and recipe.teachers.backend != "http":
-        from .teachers import TeacherError
-
-        raise TeacherError("teacher endpoints were given but teachers.backend is "
-                           f"'{recipe.teachers.backend}' — set teachers.backend=http")
-    external = endpoints if endpoints is not None else recipe.teachers.endpoints  # TRL teacher_server_urls style
-    if recipe.teachers.routing == "domain":  # before any server starts or model loads
-        from .teachers import check_routing
-
-        named = external.keys() if isinstance(external, dict) else (None if external else teachers.keys())
-        if named is not None:
-            check_routing(recipe.domain_names(), named)
-    dinfo = devlib.resolve(recipe.runtime.device)
-    if recipe.teachers.backend == "local":
-        from .teachers import build_local_router
-
-        return build_local_router(teachers, recipe.teachers, dinfo.torch_device, recipe.runtime.dtype), None
-    from .models import load_tokenizer
-    from .teachers.http import build_http_router
-
-    student_tok = load_tokenizer(student)
-    max_seq = teacher_max_seq_len(recipe)
-    if external:
-        return build_http_router(external, recipe.teachers, student_tok, max_seq_len=max_seq), None
-    servers, router = _serve(recipe, teachers, student_tok, Path(stage_dir or recipe.run_dir()) / "teachers")
-    return router, servers
-
-
-def _teacher_manifest(servers, endpoints) -> dict:
-    """What the stage's teachers were at its end (restart counts included when supervised)."""
-    src = servers if servers is not None else endpoints
-    if not src:
-        return {}
-    if hasattr(src, "manifest"):
-        return src.manifest()
-    if isinstance(src, (str, Path)):
-        from .teachers.http import load_manifest
-
-        return load_manifest(src)
-    return {k: (v if isinstance(v, dict) else {"url": v}) for k, v in dict(src).items()}
-
-
 def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
                     stage_name: str = "student") -> dict | None:
     """The record of this mopd stage when its folder (or the one set aside for its fingerprint) already holds it
@@ -316,6 +178,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     started here and stopped when the stage ends (also on failure). A stage already finished with this
     fingerprint and step count is returned as it is, before any teacher is loaded or served.
     `StageOutput.teachers` is the teachers' manifest at the end (http: url, model, restarts, …)."""
+    from .teachers.lifecycle import open_teachers
     from .train.checkpoint import claim_stage
     from .train.loop import run_policy_loop
 
@@ -332,19 +195,16 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                            time.perf_counter() - t0, [])
     preflight.check_stage(recipe, stage_name, student=student_init, teachers=teachers, domains=domains,
                           endpoints=endpoints)
-    router, servers = (build_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints)
-                       if recipe.mopd.w_kd > 0 else (None, None))
+    ts = (open_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints)
+          if recipe.mopd.w_kd > 0 else None)
     try:
         res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
                               domains=domains, eval_domains=domains, stage_dir=stage_dir,
-                              fingerprint=fp, teachers=router, progress=progress)
-        manifest = (_teacher_manifest(servers, endpoints or recipe.teachers.endpoints)
-                    if router is not None and recipe.teachers.backend == "http" else {})
+                              fingerprint=fp, teachers=ts.router if ts is not None else None, progress=progress)
+        manifest = ts.manifest() if ts is not None else {}
     finally:
-        if router is not None:
-            close_router(router)
-        if servers is not None:
-            servers.stop()
+        if ts is not None:
+            ts.close()  # the scorers' clients; the servers only when this stage started them
     return StageOutput(stage_name, res.final_dir, stage_dir, res.eval, time.perf_counter() - t0, res.history,
                        teachers=manifest)
 

@@ -1,5 +1,5 @@
-"""The `serve_teachers` stage as Prefect tasks: start the teacher servers (through `mopd_core.recipe`), hand them
-to the mopd task, keep them serving, stop them.
+"""The `serve_teachers` stage as Prefect tasks: start the teacher servers (through `mopd_core.teachers.lifecycle`),
+hand them to the mopd task, keep them serving, stop them.
 
 Teacher modes (`teachers.backend` / `teachers.endpoints`):
 - `colocated` (`backend: local`): nothing is served; the mopd stage loads the experts in-process. The task checks
@@ -107,7 +107,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
                         refresh: bool = False, for_mopd: bool = True) -> dict:
     """Make every teacher reachable for scoring and check it against the student, before any training.
 
-    `served` mode starts one vLLM server per expert (`mopd_core.recipe.start_teacher_servers`: tokenizer
+    `served` mode starts one vLLM server per expert (`mopd_core.teachers.lifecycle.serve`: tokenizer
     fingerprints and max-model-len checked before any start-up; health, `/tokenize` probe and length checked
     after), logs the endpoint manifest and every server's log to this task's `serve-teachers` MLflow run and
     publishes a Markdown artifact teacher → url/model/max_model_len/pid. No server starts when the mopd task will
@@ -117,8 +117,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
 
     Returns `{"teachers": {domain: ref}, "manifest": path | None, "mode", "started", "run_id"}`; `teachers`
     feeds the mopd task's inputs (its cache key), `manifest` its `endpoints` argument."""
-    from mopd_core import recipe as R
-    from mopd_core.models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+    from mopd_core.teachers import lifecycle
 
     logger = get_run_logger()
     mode = _mode(cfg)
@@ -130,20 +129,16 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
         link = tracking.run_url(run_id)
         cache = refs_cache_dir(cfg)
         student_path = local_path(student, cache)
-        student_fp = tokenizer_fingerprint(load_tokenizer(student_path))
-        out, fps, paths = {}, {}, {}
-        for name, ref in sorted(teachers.items()):
-            paths[name] = local_path(ref, cache)
-            fps[name] = tokenizer_fingerprint(load_tokenizer(paths[name]))
-            check_same_tokenizer(student_fp, fps[name], name, "serve_teachers")
-            out[name] = {"ref": ref["ref"], "path": str(paths[name])}
+        paths = {name: local_path(ref, cache) for name, ref in sorted(teachers.items())}
+        out = {name: {"ref": ref["ref"], "path": str(paths[name])} for name, ref in sorted(teachers.items())}
+        student_fp, fps = lifecycle.check_tokenizers(student_path, paths)
         tc = cfg.teachers
         tracking.log_params(run_id, {"teachers.backend": tc.backend, "teachers.routing": tc.routing,
                                      "teachers.mode": mode, "teachers.server_dtype": tc.server_dtype,
                                      "teachers.max_logprobs": tc.max_logprobs,
                                      "teachers.tensor_parallel_size": tc.tensor_parallel_size,
                                      "teachers.gpu_memory_utilization": tc.gpu_memory_utilization,
-                                     "max_model_len": R.teacher_max_seq_len(cfg) + 1,
+                                     "max_model_len": cfg.max_seq_len() + 1,
                                      **{f"input.teacher.{k}": v["ref"] for k, v in out.items()}})
         tracking.set_tags(run_id, {"student_tokenizer": student_fp,
                                    **{f"tokenizer.{k}": v for k, v in fps.items()}})
@@ -155,13 +150,13 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
             note = f"no server started: {why}"
             tracking.set_tags(run_id, {"mopd.teachers_started": "false", "mopd.teachers_skipped": why[:5000]})
         elif mode == "served":
-            servers = R.start_teacher_servers(cfg, paths, student_path, servers_dir(cfg), for_mopd=for_mopd)
+            servers = lifecycle.serve(cfg, paths, student_path, servers_dir(cfg), for_mopd=for_mopd)
             manifest_path = str(servers.manifest_path)
             _register(manifest_path, servers)
             manifest = servers.manifest()
             note = f"{len(manifest)} vLLM server(s) started and checked in {time.perf_counter() - t0:.0f} s"
         else:  # external: someone else's servers, checked and recorded, never started or stopped here
-            manifest = R.check_teacher_endpoints(cfg, tc.endpoints, student_path)
+            manifest = lifecycle.check_endpoints(cfg, tc.endpoints, student_path)
             p = servers_dir(cfg) / "endpoints.json"
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -268,7 +263,7 @@ def stop_teachers(served: Mapping[str, Any] | None) -> None:
 @task(name="keep_teachers", task_run_name="keep-teachers")
 def keep_teachers_task(served: dict, seconds: float) -> dict:
     """Keep the started servers serving for `seconds`, restarting a dead one (bounded by teachers.restarts)."""
-    from mopd_core import recipe as R
+    from mopd_core.teachers import lifecycle
 
     servers = live_teachers(served.get("manifest"))
     if servers is None:
@@ -276,4 +271,4 @@ def keep_teachers_task(served: dict, seconds: float) -> dict:
     logger = get_run_logger()
     logger.info("serving %d teacher(s) for %.0f s: %s", len(servers.servers), seconds,
                 ", ".join(f"{t}={e['url']}" for t, e in sorted(servers.manifest().items())))
-    return R.supervise_teacher_servers(servers, seconds)
+    return lifecycle.supervise(servers, seconds)

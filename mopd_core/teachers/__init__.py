@@ -229,6 +229,11 @@ class TeacherRouter:
     def stats(self) -> dict[str, dict]:
         return {n: dict(t.stats) for n, t in self.teachers.items()}
 
+    def close(self) -> None:
+        """Release what the scorers hold in this process (HTTP clients and their pools); servers are not touched."""
+        for t in self.teachers.values():
+            t.close()
+
 
 def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32") -> TeacherRouter:
     """`cfg` is a TeachersConfig."""

@@ -1,0 +1,197 @@
+"""The teacher lifecycle in one place: build, check, serve, supervise, stop.
+
+- `open_teachers` — what a MOPD stage scores with: a `TeacherSet` (the router, the servers it started, where the
+  teachers came from) for the configured backend, every pre-flight check done before any compute;
+  `TeacherSet.close()` releases the scorers' clients and stops the servers it started (also on failure).
+- `serve` / `supervise` / `check_endpoints` — the `serve_teachers` stage (the Prefect tasks in
+  `tasks/teachers.py` call these; the live `TeacherServers` is then handed to the mopd stage as `endpoints`).
+- `check_tokenizers` — every teacher speaks the student's tokenizer (before anything is served).
+
+Where the teachers come from (`teachers.backend`, the stage's `endpoints`, `teachers.endpoints`):
+- `local`: in-process `LocalTeacher`s, nothing served;
+- `http` with `endpoints` (a `serving.TeacherServers` — supervised, dead servers are restarted — or a manifest
+  path/dict) or `teachers.endpoints`: used as they are, never started or stopped here;
+- `http` otherwise: one vLLM server per teacher, started by `open_teachers`, stopped by `TeacherSet.close()`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import RecipeConfig
+from . import TeacherError, TeacherRouter, check_routing
+from .serving import TeacherServers
+
+
+def check_tokenizers(student: str | Path, teachers: Mapping[str, str | Path],
+                     where: str = "serve_teachers") -> tuple[str, dict[str, str]]:
+    """Every teacher checkpoint's tokenizer is the student's (one line naming the teacher otherwise). Returns the
+    student's fingerprint and each teacher's."""
+    from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+
+    student_fp = tokenizer_fingerprint(load_tokenizer(student))
+    fps = {}
+    for name, path in sorted(teachers.items()):
+        fps[name] = tokenizer_fingerprint(load_tokenizer(path))
+        check_same_tokenizer(student_fp, fps[name], name, where)
+    return student_fp, fps
+
+
+def manifest_of(src) -> dict:
+    """What teachers were (url, model, … and restart counts when supervised): from a `TeacherServers`, a
+    manifest path or `{teacher_id: url | {url, …}}`."""
+    if not src:
+        return {}
+    if isinstance(src, TeacherServers):
+        return src.manifest()
+    if isinstance(src, (str, Path)):
+        from .http import load_manifest
+
+        return load_manifest(src)
+    return {k: (v if isinstance(v, dict) else {"url": v}) for k, v in dict(src).items()}
+
+
+def _serve(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student_tok,
+           run_dir: str | Path) -> tuple[TeacherServers, TeacherRouter]:
+    """Start one vLLM server per teacher under `run_dir`, then pre-flight them; returns (servers, router). The
+    servers are stopped again if anything fails."""
+    from ..models import tokenizer_fingerprint
+    from .http import build_http_router
+    from .serving import serve_teachers
+
+    max_seq = recipe.max_seq_len()
+    # fingerprints and the checkpoints' position limits are checked here, before any server starts
+    servers = serve_teachers(teachers, recipe.teachers, run_dir, max_seq_len=max_seq,
+                             student_fingerprint=tokenizer_fingerprint(student_tok))
+    servers.start()
+    try:
+        return servers, build_http_router(servers, recipe.teachers, student_tok, max_seq_len=max_seq)
+    except BaseException:
+        servers.stop()
+        raise
+
+
+def serve(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student: str | Path, run_dir: str | Path,
+          for_mopd: bool = True) -> TeacherServers:
+    """The `serve_teachers` stage: one vLLM OpenAI server per teacher checkpoint on 127.0.0.1 (free port,
+    `--max-logprobs teachers.max_logprobs`, `--max-model-len` = prompt + completion + 1, the configured dtype,
+    parallelism and GPU-memory fraction), logs under `<run_dir>/logs/`, manifest `<run_dir>/endpoints.json`.
+    Pre-flight before returning: every teacher's tokenizer fingerprint equals the student's (checked before
+    any start-up), each server is healthy, tokenizes a probe text like the student and accepts the student's
+    longest sequence. Returns the started `TeacherServers` — the caller stops it (`.stop()`); pass it to
+    `recipe.mopd_stage(endpoints=…)` to train against it with supervised restarts. A previous manifest and logs
+    in `run_dir` are removed first, so the folder describes these servers only. `for_mopd=False` (a serving
+    check of some teachers, not a distillation run) skips the check that every domain has a teacher."""
+    from ..models import load_tokenizer
+
+    if for_mopd and recipe.teachers.routing == "domain":  # a domain without a teacher fails now, not after start-up
+        check_routing(recipe.domain_names(), teachers.keys())
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir / "logs", ignore_errors=True)
+    (run_dir / "endpoints.json").unlink(missing_ok=True)
+    servers, router = _serve(recipe, teachers, load_tokenizer(student), run_dir)
+    router.close()
+    return servers
+
+
+def supervise(servers: TeacherServers, seconds: float, poll_s: float = 5.0) -> dict[str, int]:
+    """Keep started servers serving for `seconds`: every `poll_s` a dead one is restarted (bounded by
+    teachers.restarts; then TeacherUnavailable). Returns the restarts per teacher."""
+    deadline = time.monotonic() + float(seconds)
+    while True:
+        for tid in list(servers.servers):
+            if servers.is_dead(tid):
+                servers.restart(tid)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return {tid: servers.restart_counts[tid] for tid in servers.servers}
+        time.sleep(min(poll_s, left))
+
+
+def check_endpoints(recipe: RecipeConfig, endpoints, student: str | Path) -> dict[str, dict]:
+    """Pre-flight of existing servers (`teachers.endpoints`, a manifest or a TeacherServers): reachable, same
+    tokenizer as the student, max-model-len large enough. Returns their manifest `{teacher_id: {url, model,
+    fingerprint, max_model_len}}` (plus pid/log/restarts for servers started here)."""
+    from ..models import load_tokenizer
+    from .http import build_http_router
+
+    entries = manifest_of(endpoints)
+    router = build_http_router(endpoints, recipe.teachers, load_tokenizer(student), max_seq_len=recipe.max_seq_len())
+    try:
+        return {tid: {**entries.get(tid, {}), "url": t.url, "model": t.model, "fingerprint": t.fingerprint,
+                      "max_model_len": t.max_model_len} for tid, t in router.teachers.items()}
+    finally:
+        router.close()
+
+
+@dataclass
+class TeacherSet:
+    """The teachers of one MOPD stage: the `router` the loop scores with, the `servers` `open_teachers` started
+    (stopped by `close`), and `source` — teachers used as they were given (`endpoints` or `teachers.endpoints`;
+    never stopped here)."""
+    router: TeacherRouter
+    backend: str
+    servers: TeacherServers | None = None
+    source: Any = None
+
+    def manifest(self) -> dict:
+        """What the teachers were at the stage's end (http: url, model, restarts, …; local: nothing)."""
+        if self.backend != "http":
+            return {}
+        return manifest_of(self.servers if self.servers is not None else self.source)
+
+    def close(self) -> None:
+        """Release the scorers' clients, then stop the servers started for this set."""
+        try:
+            self.router.close()
+        finally:
+            if self.servers is not None:
+                self.servers.stop()
+
+    def __enter__(self) -> TeacherSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student: str | Path,
+                  stage_dir: Path | None = None, endpoints=None) -> TeacherSet:
+    """The teachers of a MOPD stage for the configured backend, every pre-flight check done (routing before any
+    server starts or model loads; tokenizers, health and lengths before any compute). Servers are started (under
+    `<stage_dir>/teachers`) only for `teachers.backend: http` with neither `endpoints` nor `teachers.endpoints`;
+    `TeacherSet.close()` stops them.
+
+    `endpoints`: teachers already running — a `serving.TeacherServers` (restarts dead servers) or a manifest
+    (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped."""
+    from ..runtime import device as devlib
+
+    if endpoints is not None and recipe.teachers.backend != "http":
+        raise TeacherError("teacher endpoints were given but teachers.backend is "
+                           f"'{recipe.teachers.backend}' — set teachers.backend=http")
+    external = endpoints if endpoints is not None else recipe.teachers.endpoints  # TRL teacher_server_urls style
+    if recipe.teachers.routing == "domain":  # before any server starts or model loads
+        named = external.keys() if isinstance(external, dict) else (None if external else teachers.keys())
+        if named is not None:
+            check_routing(recipe.domain_names(), named)
+    dinfo = devlib.resolve(recipe.runtime.device)
+    backend = recipe.teachers.backend
+    source = endpoints or recipe.teachers.endpoints
+    if backend == "local":
+        from . import build_local_router
+
+        return TeacherSet(build_local_router(dict(teachers), recipe.teachers, dinfo.torch_device,
+                                             recipe.runtime.dtype), backend)
+    from ..models import load_tokenizer
+    from .http import build_http_router
+
+    student_tok = load_tokenizer(student)
+    if external:
+        return TeacherSet(build_http_router(external, recipe.teachers, student_tok, max_seq_len=recipe.max_seq_len()),
+                          backend, source=source)
+    servers, router = _serve(recipe, teachers, student_tok, Path(stage_dir or recipe.run_dir()) / "teachers")
+    return TeacherSet(router, backend, servers=servers, source=source)
