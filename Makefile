@@ -22,7 +22,7 @@ CONFIG ?= tiny
 SET ?=
 
 .PHONY: recipe test test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
-	venv vllm-venv browser-deps clean services services-stop deploy
+	venv vllm-venv browser-deps clean services services-stop deploy lint
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -64,6 +64,10 @@ test-unit: venv
 
 test-integration: venv
 	$(BIN)/python -m pytest tests/integration -q
+
+# the linter (rules in pyproject.toml); tests/unit/test_layers.py runs it too, with the layer-order checks
+lint: venv
+	$(BIN)/ruff check .
 
 # local Prefect server + process worker + MLflow server on 127.0.0.1 (state in .services/), stopped by PID
 services: venv
