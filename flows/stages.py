@@ -157,4 +157,5 @@ def evaluate_flow(models: dict[str, str], config: str = "tiny", overrides: list[
                                        refs={f"models.{k}": v for k, v in models.items()})
     inputs = {k.removeprefix("models."): v for k, v in refs.items()}
     cfg = adhoc_config(cfg, "evaluate", inputs)
-    return _in_parent(cfg, "evaluate", lambda parent: evaluate_task.submit("evaluate", cfg, inputs, parent).result(), {})
+    return _in_parent(cfg, "evaluate", lambda parent: evaluate_task.submit("evaluate", cfg, inputs, parent).result(),
+                      {})
