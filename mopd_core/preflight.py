@@ -65,6 +65,8 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
         from .rollout.engines import check_vllm_backend
 
         check_vllm_backend(dinfo.torch_device)
+    _check_config(recipe, stage, domains, has_teachers=bool(teachers) or endpoints is not None
+                  or bool(recipe.teachers.endpoints))
     if stage == "eval":
         evals = [_inspect(recipe, f"eval model '{k}'", v) for k, v in (models or {}).items()]
         for m in evals:
@@ -94,6 +96,28 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
 
 def _is_mopd_free(stage: str) -> bool:
     return stage in ("recipe", "sft") or stage.startswith("expert-")
+
+
+def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], has_teachers: bool) -> None:
+    """Combinations no stage can run (or that would silently ignore a setting): before the first stage of a
+    recipe, not after the experts have trained."""
+    from .train.loop import check_loop_config
+
+    if stage == "recipe" or not _is_mopd_free(stage):  # the mopd stage, or a recipe that will reach it
+        t = recipe.teachers
+        if t.endpoints and t.backend != "http":
+            raise ConfigError(f"teachers.endpoints is set but teachers.backend={t.backend}: the endpoints would be "
+                              "ignored — set teachers.backend=http or remove teachers.endpoints")
+        m = recipe.mopd
+        if m.w_kd > 0 and m.kd_loss == "jsd" and t.backend == "http" and m.jsd_top_k > t.max_logprobs:
+            raise ConfigError(f"mopd.jsd_top_k={m.jsd_top_k} exceeds teachers.max_logprobs={t.max_logprobs} (the "
+                              "servers' --max-logprobs): lower mopd.jsd_top_k or raise teachers.max_logprobs")
+        check_loop_config("student" if stage == "recipe" else stage, m, recipe, list(domains),
+                          has_teachers=has_teachers or stage == "recipe")  # a recipe's teachers are its experts
+    if stage == "recipe":
+        expert = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})  # as recipe.expert_stage runs it
+        for d in recipe.expert_domains():
+            check_loop_config(f"expert-{d}", expert, recipe, [d], has_teachers=False)
 
 
 # ---------------------------------------------------------------- models

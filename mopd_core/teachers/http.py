@@ -411,8 +411,12 @@ def build_http_router(endpoints_or_manifest, cfg, student_tokenizer, *, supervis
             check_same_tokenizer(student_fp, t.fingerprint, tid, f" ({t.path})")
             if max_seq_len is not None:
                 t.check_max_len(max_seq_len)
-    except Exception:
+    except Exception as e:
         for t in teachers.values():
             t.close()
+        if isinstance(e, TeacherUnavailable) and supervisor is None:
+            # an endpoint the user gave that fails its pre-flight (5xx, timeouts) is theirs to fix, before compute;
+            # only a server we supervise failing later is infrastructure
+            raise TeacherError(str(e)) from None
         raise
     return TeacherRouter(teachers, cfg.routing, cfg.mixture_kind, cfg.mixture_weights, cfg.domain_mixture_weights)

@@ -443,3 +443,45 @@ def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
     _nothing_written(tmp_path / "out")
     R.preflight.check_stage(cfg.model_copy(update={"teachers": cfg.teachers.model_copy(update={"offload": True})}),
                             "student", student=tiny_model, teachers=teachers)  # offloaded: 4w fits 6w
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["mopd.w_rl=0", "mopd.w_kd=0"], "student: mopd.w_rl and mopd.w_kd are both 0 — nothing to learn from"),
+    (["expert.w_rl=0"], "expert-math: expert.w_rl and expert.w_kd are both 0"),
+    (["teachers.endpoints={math: 'http://127.0.0.1:9'}"],
+     "teachers.endpoints is set but teachers.backend=local: the endpoints would be ignored"),
+    (["teachers.backend=http", "mopd.kd_loss=jsd", "mopd.jsd_top_k=32", "teachers.max_logprobs=20"],
+     "mopd.jsd_top_k=32 exceeds teachers.max_logprobs=20"),
+])
+def test_impossible_combination_fails_before_the_first_stage(tmp_path, extra, needle):
+    """Caught when the recipe starts — not after SFT and the experts have trained."""
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + extra)
+    with pytest.raises(E.ConfigError) as e:
+        R.run_recipe(cfg, progress=False)
+    assert needle in _one(e)
+    _nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("fail", [503, "slow"])
+def test_user_endpoint_failing_its_preflight_is_a_teacher_error(tmp_path, fail):
+    """A user-given endpoint that answers 5xx or times out while the router is built: the user's to fix (one
+    line, exit 2), not an outage to retry — that is only a server we supervise failing later."""
+    from mopd_core.models import build_tiny_tokenizer
+    from mopd_core.teachers.http import build_http_router
+    from tests.integration.test_http_teachers import _Stub
+
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + ["teachers.retries=1", "teachers.backend=http",
+                                                                  "teachers.request_timeout_s=0.5"])
+    stub = _Stub(fail=[503] * 10 if fail == 503 else [])
+    if fail == "slow":
+        import time
+
+        stub.server.RequestHandlerClass.do_POST = lambda self: time.sleep(2)
+    try:
+        with pytest.raises(E.TeacherError) as e:
+            build_http_router({"math": stub.url}, cfg.teachers, build_tiny_tokenizer())
+    finally:
+        stub.close()
+    msg = _one(e)
+    assert msg.startswith(f"teacher 'math' at {stub.url} failed 2 times (") and not isinstance(e.value, E.InfraError)
+    assert ("HTTP 503" if fail == 503 else "ReadTimeout") in msg, msg
