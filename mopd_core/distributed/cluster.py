@@ -499,7 +499,7 @@ class WorkerGroup:
         from ..config import PolicyLoopConfig
 
         cfg = self.loop_cfg
-        self._cfg = (cfg.model_dump() if hasattr(cfg, "model_dump") else dict(cfg)) if cfg is not None else {}
+        self._cfg = (dict(cfg) if isinstance(cfg, Mapping) else cfg.model_dump()) if cfg is not None else {}
         loop = PolicyLoopConfig(**self._cfg)  # a bad loop config fails here, not inside N actors
         if loop.kd_loss == "jsd" and loop.w_kd > 0:
             raise ClusterError("kd_loss=jsd needs teacher top-k inside the update, but the Ray workers take "
