@@ -1,0 +1,282 @@
+"""The reliability battery's shared fixtures (one uninterrupted reference run, one set of real services for the
+whole battery) and the report: every case's outcome is collected here and written as Markdown at the end of
+the session — `benchmarks/results/reliability.md` when the whole battery ran, else
+`$MOPD_TEST_ARTIFACTS/reliability.md` (default test-artifacts/), so a partial run never overwrites the
+committed report. `MOPD_RELIABILITY_REPORT=PATH` forces the path."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.common import (ROOT, SECRETS, base_env, fault_overrides, run_cli, run_signature, sets,
+                                      wait_for)
+
+HERE = Path(__file__).resolve().parent
+_CASES: list[dict] = []
+_T = {"start": None, "end": None, "modules": set(), "deselected": 0}
+
+
+# ---------------------------------------------------------------- per-case records
+
+
+@pytest.fixture
+def case(request):
+    """A test's record in the report: set `category`, `message` (the error line, or what survived), `detail`
+    (numbers the summary adds up: `injected`, `same_table`, `runs`, `identical`, `found`)."""
+    rec = {"category": None, "message": None, "detail": {}}
+    request.node.user_properties.append(("reliability", rec))
+    return rec
+
+
+def _in_battery(item) -> bool:
+    return Path(str(item.fspath)).resolve().is_relative_to(HERE)
+
+
+def pytest_deselected(items):
+    _T["deselected"] += sum(1 for i in items if _in_battery(i))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if nodeid.startswith("tests/reliability/") and _T["start"] is None:
+        _T["start"] = time.time()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not _in_battery(item):
+        return
+    _T["end"] = time.time()
+    _T["modules"].add(Path(str(item.fspath)).name)
+    rec = dict(item.user_properties).get("reliability")
+    if rec is None:
+        return
+    # a case's time includes its share of fixture set-up (the runs a chain of fault cases shares)
+    rec.setdefault("_dur", 0.0)
+    rec["_dur"] += rep.duration
+    if rep.when == "call" or (rep.when == "setup" and not rep.passed):
+        msg = rec.get("message")
+        if not rep.passed:
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            why = crash.message if crash is not None else str(rep.longrepr)
+            msg = (f"{msg} — " if msg else "") + why.strip().splitlines()[0][:400] if why.strip() else msg
+        _CASES.append({"nodeid": item.nodeid, "name": item.name, "category": rec.get("category") or "other",
+                       "outcome": "skipped" if rep.skipped else ("passed" if rep.passed else "failed"),
+                       "message": msg or "", "detail": rec.get("detail") or {},
+                       "wall_s": round(rec["_dur"], 1)})
+
+
+def _report_path(session) -> Path | None:
+    if os.environ.get("MOPD_RELIABILITY_REPORT"):
+        return Path(os.environ["MOPD_RELIABILITY_REPORT"])
+    if not _CASES:
+        return None
+    every = {p.name for p in HERE.glob("test_*.py")}
+    whole = every <= _T["modules"] and not _T["deselected"] and not session.config.option.keyword \
+        and not session.config.option.markexpr and not session.shouldstop
+    if whole:
+        return ROOT / "benchmarks" / "results" / "reliability.md"
+    return Path(os.environ.get("MOPD_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "reliability.md"
+
+
+def _cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _machine() -> str:
+    cpu = "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.python_version()}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = _report_path(session)
+    if path is None:
+        return
+    by = lambda prefix: [c for c in _CASES if c["category"].startswith(prefix)]  # noqa: E731
+    hostile, faults, soak, secrets = by("hostile"), by("fault"), by("soak"), by("secrets")
+    ok = lambda cs: sum(c["outcome"] == "passed" for c in cs)  # noqa: E731
+    soak_runs = sum(c["detail"].get("runs", 0) for c in soak)
+    soak_same = sum(c["detail"].get("identical", 0) for c in soak)
+    found = sum(c["detail"].get("found", 0) for c in secrets)
+    scanned = sum(c["detail"].get("scanned", 0) for c in secrets)
+    wall = (_T["end"] or time.time()) - (_T["start"] or time.time())
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:
+        sha = "?"
+    lines = [
+        "# Reliability battery (`tests/reliability`)", "",
+        f"Generated by the battery's conftest on {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, "
+        f"commit `{sha}` (+ working tree), {_machine()}; battery wall time **{wall / 60:.1f} min** "
+        f"({len(_CASES)} cases). Regenerate: `.venv/bin/python -m pytest tests/reliability -q`.", "",
+        "| | tried | clear / survived / identical | failing |", "|---|---:|---:|---:|",
+        f"| hostile inputs (one `error:` line naming the field/file, exit 2, no traceback, run folders "
+        f"byte-identical) | {len(hostile)} | {ok(hostile)} | {len(hostile) - ok(hostile)} |",
+        f"| faults injected (rerun resumes, same table and weights, no MLflow run left RUNNING, no stage folder "
+        f"lost) | {len(faults)} | {ok(faults)} | {len(faults) - ok(faults)} |",
+        f"| soak runs through the `full-recipe` deployment (identical tables, no leaked process/port, "
+        f"loopback only) | {soak_runs} | {soak_same} | {sum(c['outcome'] != 'passed' for c in soak)} checks |",
+        f"| secrets found (HF_TOKEN, MLFLOW_TRACKING_PASSWORD in MLflow params/tags/artifacts, Prefect logs) | "
+        f"{scanned} items scanned | **{found} found** | {sum(c['outcome'] != 'passed' for c in secrets)} |",
+        "",
+    ]
+    for title, cs in (("Hostile inputs", hostile), ("Faults", faults), ("Soak", soak), ("Secrets", secrets),
+                      ("Other", [c for c in _CASES if c not in hostile + faults + soak + secrets])):
+        if not cs:
+            continue
+        lines += [f"## {title}", "", "| case | category | result | s | message |", "|---|---|---|---:|---|"]
+        for c in cs:
+            mark = {"passed": "ok", "failed": "**FAIL**", "skipped": "skip"}[c["outcome"]]
+            lines.append(f"| `{_cell(c['name'])}` | {c['category']} | {mark} | {c['wall_s']} | "
+                         f"{_cell(c['message'])} |")
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    (path.with_suffix(".json")).write_text(json.dumps({"wall_s": wall, "cases": _CASES}, indent=1, default=str))
+    session.config.pluginmanager.get_plugin("terminalreporter").write_line(f"reliability report: {path}")
+
+
+# ---------------------------------------------------------------- shared runs and services
+
+
+@pytest.fixture(scope="session")
+def reliability_tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reliability")
+
+
+@pytest.fixture(scope="session")
+def cli_reference(reliability_tmp):
+    """The uninterrupted shortened recipe through `mopd recipe` (a subprocess): the table, weights and step
+    metrics every fault's rerun must reproduce."""
+    out = reliability_tmp / "reference"
+    res = run_cli(["recipe", "--config", "tiny", "--no-progress", *sets(fault_overrides(out))],
+                  env=base_env(**SECRETS), timeout=900)
+    assert res.rc == 0, res.stderr[-3000:]
+    return {"dir": out / "f", "signature": run_signature(out / "f"), "wall_s": res.wall_s, "stdout": res.stdout}
+
+
+class Services:
+    """infra/services.sh on free ports: a Prefect server, an MLflow server, a process worker; deployments of
+    infra/prefect.yaml. Every process carries MOPD_RELIABILITY_MARK in its environment (leak checks) and the
+    battery's secrets (secret scan)."""
+
+    def __init__(self, tmp: Path):
+        from tests.e2e.helpers import free_port, isolated_env
+
+        self.tmp = tmp
+        self.pport, self.mport = free_port(), free_port()
+        self.mark = f"MOPD_RELIABILITY_MARK={tmp.name}-{os.getpid()}"
+        k, v = self.mark.split("=", 1)
+        self.env = isolated_env(tmp, MOPD_SERVICES_DIR=str(tmp / "services"), PREFECT_PORT=str(self.pport),
+                                MLFLOW_PORT=str(self.mport), MOPD_START_TIMEOUT="240",
+                                # the worker asks for new runs every second (default 10 s)
+                                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5",
+                                MLFLOW_TRACKING_USERNAME="mopd-reliability", OMP_NUM_THREADS="1", **{k: v},
+                                **SECRETS)
+        self.env.pop("MLFLOW_TRACKING_URI")
+        self.api = f"http://127.0.0.1:{self.pport}/api"
+        self.mlflow = f"http://127.0.0.1:{self.mport}"
+        self.client_env = {**self.env, "PREFECT_API_URL": self.api, "MLFLOW_TRACKING_URI": self.mlflow}
+        self.dir = tmp / "services"
+
+    def sh(self, *args: str, timeout: float = 300) -> str:
+        p = subprocess.run([str(ROOT / "infra/services.sh"), *args], cwd=ROOT, env=self.env, text=True,
+                           capture_output=True, timeout=timeout)
+        assert p.returncode == 0, f"services.sh {args}: {p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p.stdout
+
+    def pid(self, name: str) -> int:
+        return int((self.dir / f"{name}.pid").read_text())
+
+    # -- the Prefect REST API (no client process per query)
+    def rest(self, method: str, path: str, body=None, timeout: float = 30):
+        import urllib.request
+
+        req = urllib.request.Request(self.api + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = r.read()
+        return json.loads(data) if data else None
+
+    def healthy(self, url: str) -> bool:
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(url, timeout=3).read()
+            return True
+        except OSError:
+            return False
+
+    def deployment_id(self, name: str) -> str:
+        flow, dep = name.split("/")
+        return self.rest("GET", f"/deployments/name/{flow}/{dep}")["id"]
+
+    def create_run(self, deployment: str, params: dict) -> str:
+        fr = self.rest("POST", f"/deployments/{self.deployment_id(deployment)}/create_flow_run",
+                       {"parameters": params})
+        return fr["id"]
+
+    def flow_run(self, fr_id: str) -> dict:
+        return self.rest("GET", f"/flow_runs/{fr_id}")
+
+    def state(self, fr_id: str) -> str | None:
+        try:
+            st = self.flow_run(fr_id).get("state") or {}
+        except OSError:
+            return None  # the API is down (a restart in progress)
+        return st.get("type")
+
+    def wait_final(self, fr_id: str, timeout: float = 600) -> str:
+        final = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+        return wait_for(lambda: (s := self.state(fr_id)) in final and s, timeout, f"flow run {fr_id} to end",
+                        poll=1.0)
+
+    def task_runs(self, fr_id: str) -> dict[str, str]:
+        trs = self.rest("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [fr_id]}}, "limit": 200})
+        return {t["name"]: (t.get("state") or {}).get("name") for t in trs}
+
+    def logs(self, fr_ids: list[str] | None = None) -> list[dict]:
+        out, offset = [], 0
+        while True:
+            body = {"limit": 200, "offset": offset, "sort": "TIMESTAMP_ASC"}
+            if fr_ids is not None:
+                body["logs"] = {"flow_run_id": {"any_": fr_ids}}
+            page = self.rest("POST", "/logs/filter", body)
+            out += page
+            if len(page) < 200:
+                return out
+            offset += 200
+
+
+@pytest.fixture(scope="session")
+def services(reliability_tmp):
+    s = Services(reliability_tmp / "svc")
+    s.tmp.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        s.sh("start", timeout=400)
+        s.sh("deploy", timeout=300)
+        s.start_wall_s = time.monotonic() - t0
+        yield s
+    finally:
+        subprocess.run([str(ROOT / "infra/services.sh"), "stop"], cwd=ROOT, env=s.env, timeout=120)
+        for f in ("worker.log", "prefect-server.log", "mlflow-server.log"):
+            p = s.dir / f
+            if p.exists():
+                print(f"--- {f} (tail)\n{p.read_text(errors='replace')[-2000:]}")
