@@ -127,6 +127,29 @@ def test_second_run_hits_the_cache(services, recipe_runs):
     print(f"full-recipe deployment: first {w1:.1f} s, cached {w2:.1f} s (CLI wall, incl. worker polling)")
 
 
+def test_raising_steps_through_a_deployment_continues_the_student(services, recipe_runs):
+    """The one stage identity through a deployment: `mopd.steps` 3 → 5 reuses SFT and the experts and continues
+    the student from its step-3 checkpoint; no stage folder is deleted."""
+    rd = services.tmp / "runs" / "t"
+    before = {p.name for p in rd.iterdir()}
+    sft_weights = (rd / "sft" / "final" / "model.safetensors").read_bytes()
+    p = services.run_deployment("full-recipe/tiny", {"overrides": short_overrides(services.tmp / "runs",
+                                                                                  mopd_steps=5)})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    run = services.runs("full-recipe/tiny")[-1]
+    states = {t["name"]: t["state_name"] for t in run["task_runs"]}
+    for st in ("sft", "expert-math", "expert-code", "expert-if"):
+        assert states[st] == "Cached", states
+    assert states["mopd"] == "Completed"
+    assert before <= {p.name for p in rd.iterdir()}
+    assert (rd / "sft" / "final" / "model.safetensors").read_bytes() == sft_weights
+    c = mlflow_client(services.mlflow)
+    _, kids = _family(c, run["id"])
+    student = next(r for r in kids if r.data.tags["mlflow.runName"] == "student")
+    assert student.data.params["resumed_from_step"] == "3"
+    assert [m.step for m in c.get_metric_history(student.info.run_id, "loss")] == [1, 2, 3, 4, 5]
+
+
 def test_single_stage_mopd_deployment(services, recipe_runs):
     params = {"overrides": short_overrides(services.tmp / "runs"), "init": "models:/t-sft/1",
               "teacher_refs": {d: f"models:/t-expert-{d}@latest".replace("@latest", "/1")
