@@ -392,13 +392,20 @@ def load_config(preset: str | Path = "tiny", overrides: list[str] | None = None)
     return config_from_dict(apply_overrides(data, overrides), source=str(path))
 
 
+# Bumped on purpose — and only then — when a code change alters what a stage produces from the same config and
+# inputs (a loss fix, a new sampling order). It is part of every stage fingerprint and recorded in stage.json, so
+# editing a comment or refactoring reuses every finished stage while a results-changing release retrains them.
+RESULTS_VERSION = 1
+
+
 def stage_fingerprint(*parts: Any) -> str:
-    """Stable hash of config sections/inputs: decides whether a finished stage can be reused."""
+    """Stable hash of config sections/inputs (+ RESULTS_VERSION): the one identity of a stage's result — the
+    engine reuses, continues or sets aside stage folders by it, and the Prefect cache key is derived from it."""
     def plain(x: Any) -> Any:
         if isinstance(x, BaseModel):
             return x.model_dump(mode="json")
         return x
-    blob = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
+    blob = json.dumps([RESULTS_VERSION, *[plain(p) for p in parts]], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

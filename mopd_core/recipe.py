@@ -72,11 +72,12 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
 def model_ref_id(path: str | Path) -> str:
     """Identity of an input model for fingerprints: the producing stage's fingerprint when the path is a stage's
     `final/` dir (so a retrained upstream invalidates downstream), else the path itself."""
-    from .train.checkpoint import read_stage
+    from .train.checkpoint import model_identity
 
     p = Path(path)
-    info = read_stage(p.parent) if p.name == "final" else None
-    # location-free for stage outputs: a copied or moved run folder keeps every downstream stage reusable
+    # location-free for stage outputs: a copied, moved or registered-and-downloaded model keeps every downstream
+    # stage reusable (the identity file travels inside the model dir)
+    info = model_identity(p) if p.is_dir() else None
     if info:
         return f"stage:{info['fingerprint']}:{info.get('steps')}"
     if (p / "config.json").exists():  # a checkpoint dir: its config and weight sizes, not where it lies
@@ -96,28 +97,91 @@ def base_model(recipe: RecipeConfig) -> Path | str:
     return build_tiny(recipe.model, recipe.run_dir() / "base", seed=recipe.seed)
 
 
-def sft_fingerprint(recipe: RecipeConfig, base: str | Path) -> str:
+# Each fingerprint takes the input models' identities (`model_ref_id`), so the same function serves the engine
+# (local paths) and the orchestrator's cache keys (identities it already knows) — one stage identity.
+def _sft_fp(recipe: RecipeConfig, base_id: str) -> str:
     sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
     return stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
-                             recipe.rollout.max_new_tokens, recipe.eval, model_ref_id(base))
+                             recipe.rollout.max_new_tokens, recipe.eval, base_id)
 
 
-def expert_fingerprint(recipe: RecipeConfig, domain: str, init: str | Path) -> str:
+def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                             cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, model_ref_id(init))
+                             cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id)
 
 
-def mopd_fingerprint(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path]) -> str:
+def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
     from .train.loop import TRAJECTORY_FREE
 
-    served = {k: model_ref_id(v) for k, v in sorted(teachers.items())}
     return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
-                             model_ref_id(student_init), recipe.teachers.endpoints or served)
+                             init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())))
+
+
+def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:
+    return stage_fingerprint("evaluate", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+                             recipe.eval, dict(sorted(model_ids.items())))
+
+
+def base_identity(recipe: RecipeConfig, base: str | Path | None = None) -> str:
+    """Identity of the SFT stage's base model: the locally built tiny model is known from its config and seed
+    before it exists (so a cache key computed before the first build equals every later one)."""
+    if recipe.model.base == "tiny" and (base is None or Path(base).resolve() == (recipe.run_dir() / "base").resolve()):
+        return "tiny:" + stage_fingerprint(recipe.model, recipe.seed)
+    return model_ref_id(base if base is not None else recipe.model.base)
+
+
+def sft_fingerprint(recipe: RecipeConfig, base: str | Path) -> str:
+    return _sft_fp(recipe, base_identity(recipe, base))
+
+
+def expert_fingerprint(recipe: RecipeConfig, domain: str, init: str | Path) -> str:
+    return _expert_fp(recipe, domain, model_ref_id(init))
+
+
+def mopd_fingerprint(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path]) -> str:
+    return _mopd_fp(recipe, model_ref_id(student_init), {k: model_ref_id(v) for k, v in teachers.items()})
+
+
+@dataclass(frozen=True)
+class StageIdentity:
+    """What a stage's result is (fingerprint + the step count it trains to) and where it lives."""
+    stage: str          # sft | expert-<domain> | student | evaluate
+    fingerprint: str
+    steps: int | None   # None for evaluate
+    stage_dir: Path
+
+
+def stage_dir(recipe: RecipeConfig, stage: str) -> Path:
+    """The folder a stage ("sft", "expert:<domain>", "mopd", "evaluate") writes: `<output_dir>/<name>/<label>`."""
+    kind, _, domain = stage.partition(":")
+    label = {"sft": "sft", "expert": f"expert-{domain}", "mopd": "student", "evaluate": ""}.get(kind)
+    if label is None:
+        raise ValueError(f"unknown stage kind {stage!r}")  # a caller's bug, not user input
+    return recipe.run_dir() / label if label else recipe.run_dir()
+
+
+def stage_identity(recipe: RecipeConfig, stage: str, input_ids: dict[str, str]) -> StageIdentity:
+    """The identity of `stage` ("sft", "expert:<domain>", "mopd", "evaluate") from its inputs' identities
+    (`model_ref_id` of each input: `base`/`init`, `teacher.<domain>`, or eval labels). Paths and cadence
+    fields (save/eval/logging intervals, timeouts, ports) are no part of it; `steps` is kept apart because
+    raising it continues the stage (same fingerprint) rather than starting another."""
+    kind, _, domain = stage.partition(":")
+    where = stage_dir(recipe, stage)
+    if kind == "sft":
+        base = input_ids.get("base") or base_identity(recipe)
+        return StageIdentity("sft", _sft_fp(recipe, base), recipe.sft.steps, where)
+    if kind == "expert":
+        return StageIdentity(f"expert-{domain}", _expert_fp(recipe, domain, input_ids["init"]),
+                             recipe.expert.steps, where)
+    if kind == "mopd":
+        teachers = {k.split(".", 1)[1]: v for k, v in input_ids.items() if k.startswith("teacher.")}
+        return StageIdentity("student", _mopd_fp(recipe, input_ids["init"], teachers), recipe.mopd.steps, where)
+    return StageIdentity("evaluate", _eval_fp(recipe, dict(input_ids)), None, where)
 
 
 def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bool = True) -> StageOutput:

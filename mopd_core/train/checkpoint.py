@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..config import RESULTS_VERSION
 from ..errors import StageStateError  # noqa: F401 - checkpoint.StageStateError stays the public name
 from ..models import save_pretrained, writing
 
@@ -31,12 +32,35 @@ def read_stage(stage_dir: Path) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+# Written into a finished stage's final/ model dir: the model's identity travels with it (copied, moved, logged
+# to MLflow and downloaded again), so a consumer's fingerprint is the same wherever the model lies.
+MODEL_IDENTITY = "mopd_identity.json"
+
+
 def write_stage(stage_dir: Path, info: dict) -> None:
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
-    tmp = stage_dir / "stage.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2, default=str))
-    tmp.replace(stage_dir / "stage.json")
+    info.setdefault("results_version", RESULTS_VERSION)
+    if info.get("status") == "done" and (stage_dir / "final").is_dir():
+        _write_json(stage_dir / "final" / MODEL_IDENTITY, {
+            "stage": info.get("stage"), "fingerprint": info.get("fingerprint"), "steps": info.get("steps"),
+            "results_version": info.get("results_version")})
+    _write_json(stage_dir / "stage.json", info)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def model_identity(model_dir: Path) -> dict | None:
+    """The identity record of a model a stage produced (its final/ dir or a copy of it), or None."""
+    p = Path(model_dir) / MODEL_IDENTITY
+    if p.exists():
+        return json.loads(p.read_text())
+    info = read_stage(Path(model_dir).parent) if Path(model_dir).name == "final" else None  # older folders
+    return {"fingerprint": info["fingerprint"], "steps": info.get("steps")} if info else None
 
 
 def claim_stage(stage_dir: Path, fingerprint: str, meta: dict | None = None) -> dict | None:
