@@ -1,0 +1,65 @@
+"""The one stage identity: what goes into a stage's fingerprint and what does not."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from mopd_core import config as C
+from mopd_core import recipe as R
+from mopd_core.config import load_config
+from mopd_core.train.checkpoint import MODEL_IDENTITY, write_stage
+from tests.conftest import tiny_overrides
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_config("tiny", tiny_overrides(tmp_path))
+
+
+def _ids(cfg, **kw):
+    return {s: R.stage_identity(cfg, s, {"init": "stage:abc:3", "teacher.math": "stage:m:3",
+                                         "teacher.code": "stage:c:3", "teacher.if": "stage:i:3", **kw})
+            for s in ("sft", "expert:math", "mopd")}
+
+
+def test_cadence_paths_and_steps_are_no_part_of_the_fingerprint(cfg, tmp_path):
+    base = _ids(cfg)
+    same = cfg.model_copy(deep=True)
+    same.output_dir = str(tmp_path / "elsewhere")
+    same.sft.logging_steps, same.sft.eval_every = 3, 0
+    same.expert.save_every = same.mopd.save_every = 7
+    same.mopd.steps, same.expert.steps = 99, 42
+    same.teachers.request_timeout_s = 999.0
+    for s, ident in _ids(same).items():
+        assert ident.fingerprint == base[s].fingerprint, s
+    assert _ids(same)["mopd"].steps == 99 != base["mopd"].steps  # steps travel beside the fingerprint
+
+
+def test_result_fields_inputs_seed_and_results_version_are(cfg, monkeypatch):
+    base = _ids(cfg)
+    other = cfg.model_copy(deep=True)
+    other.mopd.lr = 1e-3
+    assert _ids(other)["mopd"].fingerprint != base["mopd"].fingerprint
+    assert _ids(other)["sft"].fingerprint == base["sft"].fingerprint
+    assert _ids(cfg, init="stage:zzz:3")["expert:math"].fingerprint != base["expert:math"].fingerprint
+    assert _ids(cfg.model_copy(update={"seed": 1}))["sft"].fingerprint != base["sft"].fingerprint
+    monkeypatch.setattr(C, "RESULTS_VERSION", C.RESULTS_VERSION + 1)
+    assert all(_ids(cfg)[s].fingerprint != base[s].fingerprint for s in base)
+
+
+def test_engine_and_orchestrator_compute_the_same_fingerprint(cfg, tmp_path):
+    base = R.base_model(cfg)
+    assert R.stage_identity(cfg, "sft", {}).fingerprint == R.sft_fingerprint(cfg, base)  # known before the build
+    final = tmp_path / "t" / "sft" / "final"
+    shutil.copytree(base, final)
+    write_stage(final.parent, {"stage": "sft", "fingerprint": "f00", "status": "done", "steps": 6})
+    assert (final / MODEL_IDENTITY).exists()
+    ident = R.stage_identity(cfg, "expert:math", {"init": R.model_ref_id(final)})
+    assert ident.fingerprint == R.expert_fingerprint(cfg, "math", final)
+    # the identity travels with the model dir: a copy elsewhere (a registry download) is the same input
+    moved = tmp_path / "download" / "model"
+    shutil.copytree(final, moved)
+    assert R.model_ref_id(moved) == R.model_ref_id(final) == "stage:f00:6"
+    assert R.expert_fingerprint(cfg, "math", moved) == ident.fingerprint
