@@ -1,5 +1,6 @@
 """`python -m flows [--config tiny] [--set key=value ...]`: the full recipe through Prefect (ephemeral mode when
-no PREFECT_API_URL is set) with MLflow tracking; prints the accuracy table. Exit 2 on a bad parameter."""
+no PREFECT_API_URL is set) with MLflow tracking; prints the accuracy table. Exit 2 and one line on a bad parameter or any other user error (`MopdError`);
+anything else keeps its traceback."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from flows.full_recipe import full_recipe
     from flows.params import ChampionParams
+    from mopd_core.errors import MopdError
     from tasks.common import ParameterError
 
     try:
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                           champion=ChampionParams(compare=a.champion),
                           concurrent_experts=(False if a.sequential_experts
                                               else True if a.concurrent_experts else None))
-    except ParameterError as e:
+    except (ParameterError, MopdError) as e:  # the user's input (a stage's MopdError too): one line, exit 2
+        if os.environ.get("MOPD_TRACEBACK"):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(res["table"])
