@@ -312,9 +312,10 @@ def test_external_teacher_with_other_tokenizer_is_caught_by_the_probe(world, ext
 def test_domain_without_teacher_fails_before_training(world, ext, tmp_path):
     from mopd_core.teachers import TeacherError
 
-    # the student shares the server's tokenizer and fits its length: only the missing teacher is wrong
-    cfg = _cfg(tmp_path, f"teachers.endpoints={{math: '{ext}'}}", "data.max_prompt_tokens=10",
-               "rollout.max_new_tokens=6")
+    # the student shares the server's tokenizer and fits its length (the longest `if` prompt has 12 tokens:
+    # 12 + 4 + 1 = 17, the server's max-model-len): only the missing teacher is wrong
+    cfg = _cfg(tmp_path, f"teachers.endpoints={{math: '{ext}'}}", "data.max_prompt_tokens=12",
+               "rollout.max_new_tokens=4")
     with pytest.raises(TeacherError) as e:
         R.mopd_stage(cfg, world["other"], {"math": world["other"]}, progress=False)
     _one_line_before_training(e.value, cfg.run_dir() / "student", "'if'", "math")
