@@ -1,6 +1,6 @@
 """`python -m flows [--config tiny] [--set key=value ...]`: the full recipe through Prefect (ephemeral mode when
-no PREFECT_API_URL is set) with MLflow tracking; prints the accuracy table. Exit 2 and one line on a bad parameter or any other user error (`MopdError`);
-anything else keeps its traceback."""
+no PREFECT_API_URL is set) with MLflow tracking; prints the accuracy table. Exit 2 and one line on a bad
+parameter or any other user error (`MopdError`); anything else keeps its traceback."""
 
 from __future__ import annotations
 
