@@ -111,6 +111,11 @@ def run_one(args) -> int:
                          "teacher_scoring": _median(res.outputs["student"].history, "perf/score_tokens_per_s"),
                          "train": _median(rl_hist, "perf/train_tokens_per_s")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        # held-out greedy accuracy during training (stages' eval_every > 0): shows whether each stage stops where
+        # its curve is flat, i.e. whether a machine that is a little faster or slower would end elsewhere
+        "curves": {k: [{"step": r["step"], **{d: r[f"eval/{d}/greedy"] for d in domains if f"eval/{d}/greedy" in r}}
+                       for r in o.history if any(f"eval/{d}/greedy" in r for d in domains)]
+                   for k, o in res.outputs.items()},
         "reused_stages": args.reuse,
         "domains": domains,
         "config": cfg.model_dump(mode="json"),
@@ -197,6 +202,8 @@ def main(argv=None) -> int:
                          "stages report their reuse time, not their training time)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/tiny_recipe.json"))
     ap.add_argument("--output-dir", default=str(ROOT / "runs/bench"), help="stages write <dir>/seed<N>/<name>/")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: summarize the seeds' result.json files already in --output-dir")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -216,7 +223,15 @@ def main(argv=None) -> int:
 
     out_root = Path(args.output_dir)
     out_root.mkdir(parents=True, exist_ok=True)
-    pending, running, done, failed = list(seeds), {}, {}, []
+    pending, running, done, failed = ([] if args.collect else list(seeds)), {}, {}, []
+    if args.collect:
+        for s in seeds:
+            p = out_root / f"seed{s}" / "result.json"
+            if p.exists():
+                done[s] = json.loads(p.read_text())
+            else:
+                failed.append(s)
+                print(f"seed {s}: no {p}", flush=True)
     t0, load0 = time.perf_counter(), os.getloadavg()
     while pending or running:
         while pending and len(running) < args.jobs:
