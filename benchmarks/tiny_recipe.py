@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,9 @@ def run_one(args) -> int:
                          "teacher_scoring": _median(res.outputs["student"].history, "perf/score_tokens_per_s"),
                          "train": _median(rl_hist, "perf/train_tokens_per_s")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        # user + sys CPU seconds of this process: on a busy machine the wall times grow, this much less; with one
+        # torch thread it is about the wall time the seed takes on an idle machine
+        "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 1),
         # held-out greedy accuracy during training (stages' eval_every > 0): shows whether each stage stops where
         # its curve is flat, i.e. whether a machine that is a little faster or slower would end elsewhere
         "curves": {k: [{"step": r["step"], **{d: r[f"eval/{d}/greedy"] for d in domains if f"eval/{d}/greedy" in r}}
@@ -182,6 +186,9 @@ def markdown(result: dict) -> str:
                      + " | ".join(f"{s['wall_s'][k]:.1f}" for s in per_seed) + " |")
     tps = {k: [s["tokens_per_s"][k] for s in per_seed if s["tokens_per_s"][k] is not None]
            for k in per_seed[0]["tokens_per_s"]}
+    cpu = [f"seed {s['seed']} {s['cpu_s']:.0f} s" for s in per_seed if "cpu_s" in s]
+    if cpu:
+        lines += ["", "CPU time (user + sys) per seed: " + ", ".join(cpu) + "."]
     lines += ["", "| throughput (median per seed, mean over seeds) | tokens/s |", "|---|---:|",
               *[f"| {k} | {statistics.fmean(v):.0f} |" for k, v in tps.items() if v], "",
               f"Peak RSS per seed: {max(s['peak_rss_mb'] for s in per_seed):.0f} MiB at most. "
