@@ -95,7 +95,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
 
 
 def _is_mopd_free(stage: str) -> bool:
-    return stage in ("recipe", "sft") or stage.startswith("expert-")
+    return stage in ("recipe", "sft", "eval") or stage.startswith("expert-")
 
 
 def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], has_teachers: bool) -> None:
