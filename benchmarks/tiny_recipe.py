@@ -112,8 +112,8 @@ def run_one(args) -> int:
                          "teacher_scoring": _median(res.outputs["student"].history, "perf/score_tokens_per_s"),
                          "train": _median(rl_hist, "perf/train_tokens_per_s")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        # user + sys CPU seconds of this process: on a busy machine the wall times grow, this much less; with one
-        # torch thread it is about the wall time the seed takes on an idle machine
+        # user + sys CPU seconds of this process: on a busy machine the wall times grow, this much less (still
+        # inflated by shared caches and SMT siblings, so with one torch thread an upper bound of the idle wall)
         "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 1),
         # held-out greedy accuracy during training (stages' eval_every > 0): shows whether each stage stops where
         # its curve is flat, i.e. whether a machine that is a little faster or slower would end elsewhere
