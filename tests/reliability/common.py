@@ -28,6 +28,7 @@ from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 MOPD = ROOT / ".venv" / "bin" / "mopd"
+BIN = MOPD.parent if MOPD.exists() else Path(sys.executable).parent  # prefect, mlflow for infra/services.sh
 VLLM_PY = Path(os.environ.get("MOPD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 DOMAINS = ("math", "code", "if")
 STAGES = ("sft", "expert-math", "expert-code", "expert-if", "student")

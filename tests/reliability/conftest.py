@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.common import (ROOT, SECRETS, base_env, fault_overrides, run_cli, run_signature, sets,
+from tests.reliability.common import (BIN, ROOT, SECRETS, base_env, fault_overrides, run_cli, run_signature, sets,
                                       wait_for)
 
 HERE = Path(__file__).resolve().parent
@@ -186,7 +186,8 @@ class Services:
                                 MLFLOW_PORT=str(self.mport), MOPD_START_TIMEOUT="240",
                                 # the worker asks for new runs every second (default 10 s)
                                 PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5",
-                                MLFLOW_TRACKING_USERNAME="mopd-reliability", OMP_NUM_THREADS="1", **{k: v},
+                                MLFLOW_TRACKING_USERNAME="mopd-reliability", OMP_NUM_THREADS="1", MOPD_BIN=str(BIN),
+                                **{k: v},
                                 **SECRETS)
         self.env.pop("MLFLOW_TRACKING_URI")
         self.api = f"http://127.0.0.1:{self.pport}/api"
@@ -204,15 +205,27 @@ class Services:
         return int((self.dir / f"{name}.pid").read_text())
 
     # -- the Prefect REST API (no client process per query)
-    def rest(self, method: str, path: str, body=None, timeout: float = 30):
+    def rest(self, method: str, path: str, body=None, timeout: float = 30, patience: float = 60):
+        """One call; a 5xx or a refused connection (a server restarting) is retried for `patience` seconds."""
+        import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(self.api + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            data = r.read()
-        return json.loads(data) if data else None
+        deadline = time.monotonic() + patience
+        while True:
+            req = urllib.request.Request(self.api + path, method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    data = r.read()
+                return json.loads(data) if data else None
+            except urllib.error.HTTPError as e:
+                if e.code < 500 or time.monotonic() > deadline:
+                    raise
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(1)
 
     def healthy(self, url: str) -> bool:
         import urllib.request
@@ -237,7 +250,7 @@ class Services:
 
     def state(self, fr_id: str) -> str | None:
         try:
-            st = self.flow_run(fr_id).get("state") or {}
+            st = self.rest("GET", f"/flow_runs/{fr_id}", patience=0).get("state") or {}
         except OSError:
             return None  # the API is down (a restart in progress)
         return st.get("type")

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.reliability.common import (DOMAINS, SECRETS, STAGES, base_env, fault_overrides, finished_stages,
+from tests.reliability.common import (DOMAINS, ROOT, SECRETS, STAGES, base_env, fault_overrides, finished_stages,
                                       last_step, mopd_cmd, run_cli, run_signature, sets, signature_diff,
                                       stage_folders, stage_status, wait_for)
 
@@ -58,7 +58,7 @@ def cli_chain(reliability_tmp, cli_reference):
         log = out.parent / f"cli-chain-{i}.log"
         out.mkdir(parents=True, exist_ok=True)
         with log.open("w") as f:
-            p = subprocess.Popen(mopd_cmd() + args, cwd=os.getcwd(), env=env, stdout=f, stderr=subprocess.STDOUT,
+            p = subprocess.Popen(mopd_cmd() + args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         sd = run / plan["stage"]
         died = lambda: f"the recipe exited ({p.returncode}) before the kill" if p.poll() is not None else None  # noqa: E731
