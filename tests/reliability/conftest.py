@@ -134,6 +134,9 @@ def pytest_sessionfinish(session, exitstatus):
         f"| secrets found (HF_TOKEN, MLFLOW_TRACKING_PASSWORD in MLflow params/tags/artifacts, Prefect logs) | "
         f"{scanned} items scanned | **{found} found** | {sum(c['outcome'] != 'passed' for c in secrets)} |",
         "",
+        "`s`: seconds of the case; the first case of a chain (CLI, http, deployment faults, soak) also carries the "
+        "runs its chain shares (the fixture set-up: reference run, services, the killed and resumed runs).",
+        "",
     ]
     for title, cs in (("Hostile inputs", hostile), ("Faults", faults), ("Soak", soak), ("Secrets", secrets),
                       ("Other", [c for c in _CASES if c not in hostile + faults + soak + secrets])):
