@@ -17,7 +17,6 @@ from . import tracking
 STAGE_SECTIONS = {
     "sft": ("model", "data", "sft", "rollout", "eval"),
     "expert": ("data", "rollout", "expert", "eval"),
-    "serve_teachers": ("teachers",),
     "mopd": ("data", "rollout", "teachers", "mopd", "eval"),
     "evaluate": ("data", "rollout", "eval"),
 }
@@ -85,10 +84,10 @@ def identity(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]]):
     return stage_identity(cfg, stage, input_identities(inputs, cfg))
 
 
-def stage_key(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]], extra: Any = None) -> str:
-    """(stage, engine fingerprint, target steps, run folder): what the stage's result is and where it lies."""
-    ident = identity(stage, cfg, inputs)
-    blob = {"stage": stage, "fingerprint": ident.fingerprint, "steps": ident.steps, "extra": extra,
+def stage_key(stage: str, cfg, ident) -> str:
+    """(stage, engine fingerprint, target steps, run folder) of `ident = identity(stage, cfg, inputs)`: what the
+    stage's result is and where it lies."""
+    blob = {"stage": stage, "fingerprint": ident.fingerprint, "steps": ident.steps,
             "run_dir": str(cfg.run_dir().resolve())}
     return f"mopd-{stage.replace(':', '-')}-" + hashlib.sha256(
         json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -53,21 +53,21 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
     from mopd_core.train.checkpoint import claim_stage, stage_done
 
     logger = get_run_logger()
-    key = stage_key(stage, cfg, inputs)
     ident = identity(stage, cfg, inputs)
+    key = stage_key(stage, cfg, ident)
     if refresh:
         discard_stage(stage_dir, logger)
-    else:
-        if stage_done(stage_dir, ident.fingerprint, ident.steps) is not None:
-            claim_stage(stage_dir, ident.fingerprint)  # brings back a folder set aside for this fingerprint
+    # finished under this fingerprint (in place or set aside): reused as it is, or — when the tracking store does
+    # not know it — logged and registered again from its folder (params, metrics.jsonl, plots, eval, model with
+    # lineage tags) in a new run
+    retracked = not refresh and stage_done(stage_dir, ident.fingerprint, ident.steps) is not None
+    if retracked:
+        claim_stage(stage_dir, ident.fingerprint)  # brings back a folder set aside for this fingerprint
         side = tracked_result(stage, cfg, key, ident.fingerprint)
-        if side is not None:  # Prefect's own result store was lost or refreshed: the folder and run still hold
+        if side is not None:  # the folder and its MLflow run still hold the result: the task ends Cached
             msg = f"{label}: finished stage {stage_dir} and its MLflow run {side['run_id']} are current — reused"
             logger.info(msg)
             return cached({k: v for k, v in side.items() if k != "key"}, msg)
-    # a finished stage (here or set aside) that the tracking store does not know: logged and registered again
-    # from its folder (params, metrics.jsonl, plots, eval, model with lineage tags) in a new run
-    retracked = stage_done(stage_dir, ident.fingerprint, ident.steps) is not None
     resumed = _last_checkpoint_step(stage_dir, ident.fingerprint, ident.steps)
     if retracked:
         logger.info("%s: already trained in %s (fingerprint %s) — logging it to the tracking store again",
@@ -205,7 +205,7 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
     from mopd_core.evaluation import accuracy_table, plot_accuracy
 
     logger = get_run_logger()
-    key = stage_key(stage, cfg, inputs)
+    key = stage_key(stage, cfg, identity(stage, cfg, inputs))
     if not refresh:
         side = tracked_result("evaluate", cfg, key)
         if side is not None:
