@@ -107,10 +107,9 @@ def read_sidecar(path: Path) -> dict | None:
 
 
 def write_sidecar(path: Path, key: str, result: Mapping[str, Any]) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"key": key, **result}, indent=2, default=str))
-    tmp.replace(path)
+    from mopd_core.train.checkpoint import write_json
+
+    write_json(Path(path), {"key": key, **result})
 
 
 def tracked_result(stage: str, cfg, key: str, fingerprint: str | None = None) -> dict | None:

@@ -42,13 +42,14 @@ def write_stage(stage_dir: Path, info: dict) -> None:
     stage_dir.mkdir(parents=True, exist_ok=True)
     info.setdefault("results_version", RESULTS_VERSION)
     if info.get("status") == "done" and (stage_dir / "final").is_dir():
-        _write_json(stage_dir / "final" / MODEL_IDENTITY, {
+        write_json(stage_dir / "final" / MODEL_IDENTITY, {
             "stage": info.get("stage"), "fingerprint": info.get("fingerprint"), "steps": info.get("steps"),
             "results_version": info.get("results_version")})
-    _write_json(stage_dir / "stage.json", info)
+    write_json(stage_dir / "stage.json", info)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temp file + rename): a crash never leaves half a record."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     tmp.replace(path)
