@@ -17,6 +17,7 @@ one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -99,9 +100,10 @@ def run_url(run_id: str, uri: str | None = None) -> str:
 # ---------------------------------------------------------------- code identity
 
 
+@functools.cache  # the source does not change under a running process: read it once, not per stage
 def code_version() -> str:
-    """Hash of the engine's source (`mopd_core/**/*.py`): part of every stage cache key, so changed code means
-    re-run stages. Works without git."""
+    """Hash of the engine's source (`mopd_core/**/*.py`), logged as a param for provenance only — no part of any
+    stage's identity (that is the engine's fingerprint with `RESULTS_VERSION`). Works without git."""
     h = hashlib.sha256()
     for p in sorted(PACKAGE_DIR.rglob("*.py")):
         h.update(str(p.relative_to(PACKAGE_DIR)).encode())
