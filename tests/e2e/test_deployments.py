@@ -265,7 +265,9 @@ def test_ui_custom_run_of_a_stage_deployment(services, recipe_runs):
                                               {"directory": str(ROOT)}}],
             "deployments": [{"name": "ui", "entrypoint": "flows/stages.py:mopd_flow",
                              "work_pool": {"name": "mopd-process"},
-                             "parameters": {"overrides": short_overrides(services.tmp / "runs"),
+                             # its own name: the student folders of the other tests' runs (steps 3..4) stay
+                             # theirs, and 2 steps here is a fresh stage, not fewer steps than a trained one
+                             "parameters": {"overrides": short_overrides(services.tmp / "runs", name="ui"),
                                             "init": "models:/t-sft/1",
                                             "teacher_refs": {d: f"models:/t-expert-{d}/1"
                                                              for d in ("math", "code", "if")}}}]}
@@ -290,5 +292,5 @@ def test_ui_custom_run_of_a_stage_deployment(services, recipe_runs):
     assert run["state_type"] == "COMPLETED"
     assert run["parameters"]["mopd"]["steps"] == 2  # the value typed into the form reached the flow
     c = mlflow_client(services.mlflow)
-    newest = max(c.search_model_versions("name='t-student'"), key=lambda v: int(v.version))
+    newest = max(c.search_model_versions("name='ui-student'"), key=lambda v: int(v.version))
     assert c.get_run(newest.run_id).data.params["mopd.steps"] == "2"
