@@ -178,6 +178,16 @@ class TeachersConfig(_Model):
                               "cache per server; vLLM's default asks for most of the RAM).")
 
 
+class TrainConfig(_Model):
+    """How the RL/MOPD update computes (not what it optimises): results agree across choices up to float rounding,
+    yet they are different numbers, so the section is part of the expert and mopd fingerprints."""
+
+    logprob_impl: Literal["chunked", "full"] = Field(
+        "chunked", description="Log-probs, entropy, teacher top-k and the JSD support of the trainer and local "
+        "teachers: `chunked` projects final hidden states through lm_head in tiles, recomputed in backward (memory "
+        "grows with tokens·hidden, never tokens·vocab); `full` materialises the [B,T,V] log-softmax (comparison).")
+
+
 class PolicyLoopConfig(_Model):
     """The one on-policy loop: expert RL (w_kd=0, no teachers) and MOPD (teachers ± reward)."""
 
@@ -241,6 +251,8 @@ class RecipeConfig(_Model):
     data: DataConfig = Field(description="Domains: prompt sources and verifiers.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Mixed-domain SFT.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling of the policy.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="How RL/MOPD updates and local teachers "
+                               "compute (log-prob implementation).")
     expert: ExpertRLConfig = Field(default_factory=ExpertRLConfig, description="Per-domain expert GRPO.")
     teachers: TeachersConfig = Field(default_factory=TeachersConfig, description="Teacher scoring/routing.")
     mopd: MOPDConfig = Field(default_factory=MOPDConfig, description="Multi-teacher on-policy distillation.")

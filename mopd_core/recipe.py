@@ -110,7 +110,8 @@ def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                             cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id)
+                             cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
+                             recipe.train)
 
 
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
@@ -119,7 +120,7 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
     return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
-                             init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())))
+                             init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())), recipe.train)
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:

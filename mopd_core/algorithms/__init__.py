@@ -16,8 +16,15 @@ Distillation signals (:mod:`.distill`):
       ``"arithmetic"`` ``logsumexp_k(log w_k + ℓ_k)`` or ``"geometric"`` ``Σ_k w_k ℓ_k``.
     - ``topk_support(student_logp [B, T, V], teacher_topk_ids, teacher_topk_logp [B, T, k], sampled_ids=None,
       teacher_sampled_logp=None) -> (student [B, T, S], teacher [B, T, S])`` — {top-k ∪ sampled} + tail bucket.
+    - ``support_from_gathered(student_topk_logp [B, T, k], student_sampled_logp [B, T], teacher_topk_ids, …)`` —
+      the same from the student's log-probs already gathered at those ids (chunked scorers).
     - ``generalized_jsd(student_logp, teacher_logp [B, T, S], beta, mask) -> scalar`` — TRL-GKD's ``JSD_β``
       (β=0 forward KL(T‖S), β=1 reverse KL(S‖T)), mean over unmasked positions.
+
+Log-probs from hidden states (:mod:`.logprobs`):
+    - ``token_logprobs(hidden [N, H], weight [V, H], targets [N], LogitTransform(temperature, softcap, scale),
+      impl="chunked", entropy=False, top_k=0, support_ids=None) -> TokenScores`` — log-prob (grad), entropy,
+      top-k, support log-probs, in tiles recomputed in backward (never ``[N, V]``); ``logits_scores`` for logits.
 
 Policy loss (:mod:`.loss`):
     - ``policy_loss(logp, behaviour_logp, advantages, mask, clip_low=0.2, clip_high=0.2, token_weights=None)
@@ -32,7 +39,8 @@ Balancing (:mod:`.balance`):
 
 from mopd_core.algorithms.advantages import combine_advantages, grpo_advantages, reverse_kl_advantages
 from mopd_core.algorithms.balance import BALANCE_KINDS, balance_weights, token_share_weights
-from mopd_core.algorithms.distill import MIX_KINDS, generalized_jsd, mix_teacher_logprobs, topk_support
+from mopd_core.algorithms.distill import (MIX_KINDS, generalized_jsd, mix_teacher_logprobs, support_from_gathered,
+                                         topk_support)
 from mopd_core.algorithms.loss import policy_loss
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "mix_teacher_logprobs",
     "policy_loss",
     "reverse_kl_advantages",
+    "support_from_gathered",
     "token_share_weights",
     "topk_support",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MIX_KINDS", "mix_teacher_logprobs", "topk_support", "generalized_jsd"]
+__all__ = ["MIX_KINDS", "mix_teacher_logprobs", "topk_support", "support_from_gathered", "generalized_jsd"]
 
 MIX_KINDS = ("arithmetic", "geometric")
 
@@ -150,18 +150,39 @@ def topk_support(
             f"{tuple(teacher_topk_ids.shape)}, {tuple(teacher_topk_logp.shape)}, {tuple(student_logp.shape)}"
         )
     ids = teacher_topk_ids.long()
-    t_logp = teacher_topk_logp.detach().to(student_logp.dtype)
-    s_list = [student_logp.gather(-1, ids)]
-    t_list = [t_logp]
+    sampled = None if sampled_ids is None else student_logp.gather(-1, sampled_ids.long().unsqueeze(-1)).squeeze(-1)
+    return support_from_gathered(student_logp.gather(-1, ids), sampled, ids, teacher_topk_logp, sampled_ids,
+                                 teacher_sampled_logp)
+
+
+def support_from_gathered(
+    student_topk_logp: torch.Tensor,
+    student_sampled_logp: torch.Tensor | None,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logp: torch.Tensor,
+    sampled_ids: torch.Tensor | None = None,
+    teacher_sampled_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_support` from the student's log-probs already taken at the teacher's top-k ids ``[B, T, k]``
+    (and at the sampled token ``[B, T]``), as a chunked scorer returns them without any ``[B, T, V]`` tensor."""
+    if student_topk_logp.shape != teacher_topk_ids.shape or teacher_topk_ids.shape != teacher_topk_logp.shape:
+        raise ValueError(
+            "student_topk_logp, teacher_topk_ids and teacher_topk_logp must all be [B, T, k]; got "
+            f"{tuple(student_topk_logp.shape)}, {tuple(teacher_topk_ids.shape)}, {tuple(teacher_topk_logp.shape)}"
+        )
+    ids = teacher_topk_ids.long()
+    dtype = student_topk_logp.dtype
+    s_list = [student_topk_logp]
+    t_list = [teacher_topk_logp.detach().to(dtype)]
     if sampled_ids is not None:
-        if teacher_sampled_logp is None:
-            raise ValueError("teacher_sampled_logp [B, T] is required when sampled_ids is given")
+        if teacher_sampled_logp is None or student_sampled_logp is None:
+            raise ValueError("teacher_sampled_logp and the student's sampled log-prob [B, T] are required when "
+                             "sampled_ids is given")
         samp = sampled_ids.long().unsqueeze(-1)  # [B, T, 1]
         in_topk = (ids == samp).any(dim=-1, keepdim=True)
-        neg_inf = torch.full(samp.shape, _NEG_INF, dtype=student_logp.dtype, device=student_logp.device)
-        s_samp = student_logp.gather(-1, samp)
-        t_samp = teacher_sampled_logp.detach().to(student_logp.dtype).unsqueeze(-1)
-        s_list.append(torch.where(in_topk, neg_inf, s_samp))
+        neg_inf = torch.full(samp.shape, _NEG_INF, dtype=dtype, device=student_topk_logp.device)
+        t_samp = teacher_sampled_logp.detach().to(dtype).unsqueeze(-1)
+        s_list.append(torch.where(in_topk, neg_inf, student_sampled_logp.unsqueeze(-1)))
         t_list.append(torch.where(in_topk, neg_inf, t_samp))
     return _with_tail(torch.cat(s_list, dim=-1)), _with_tail(torch.cat(t_list, dim=-1))
 

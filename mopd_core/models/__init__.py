@@ -233,6 +233,35 @@ def forward(model, input_ids, attention_mask=None, position_ids=None, cache: Any
     return out.logits, new_cache
 
 
+def unwrap(model):
+    """The transformers model inside a DDP-style wrapper (`.module`), or the model itself."""
+    return getattr(model, "module", model)
+
+
+def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
+    """The backbone's final (normed) hidden states `[B,L,H]` — what `lm_head` projects — without projecting them,
+    so a chunked scorer projects only the positions it needs (TRL's fused forward calls the backbone the same way).
+    A wrapper (DDP) must see the forward to sync gradients: it runs the whole model with one logit position kept
+    and the last entry of `hidden_states`."""
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if unwrap(model) is model:
+        return model.base_model(**kw).last_hidden_state
+    return model(**kw, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+
+
+def logit_transform(model) -> tuple[float | None, float]:
+    """(final_logit_softcapping, logit_scale) the model applies between `lm_head` and the softmax, read from its
+    config as TRL's fused forward reads them: Gemma-2/3 soft-capping; Cohere `logit_scale`, `output_multiplier`,
+    Falcon-H1 `lm_head_multiplier`, Granite/MiniCPM3 `1/logits_scaling` (HyperCLOVA X multiplies)."""
+    cfg = unwrap(model).config.get_text_config()
+    scale = getattr(cfg, "logit_scale", None)  # None on models that do not scale (e.g. MPT)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        scale = getattr(cfg, name, None) if scale is None else scale
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1 / cfg.logits_scaling
+    return getattr(cfg, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
 def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -6,7 +6,7 @@ Layout of a `RolloutBatch` (B sequences): prompts left-padded to P, completions 
                  ^ prompt_ids (B,P)   ^ completion_ids (B,T), completion_mask marks c0..<eos>
 
 The log-prob of completion token t comes from the logits at position P-1+t; every scorer (behaviour policy,
-trainer, local teacher) goes through `completion_logprobs`, so their numbers are comparable by construction.
+trainer, local teacher) goes through `score_completions`, so their numbers are comparable by construction.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import DataError
-from ..models import forward
+from ..algorithms.logprobs import LogitTransform, logits_scores, token_logprobs
+from ..models import forward, last_hidden_state, logit_transform, unwrap
 
 
 @dataclass
@@ -59,32 +60,68 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, full: bool = False,
-                        micro_batch_size: int | None = None, entropy: bool = False):
-    """Per-token log-probs of the completion tokens under `model`: `[B,T]`. With `full`, also the full `[B,T,V]`
-    log-softmax (the JSD loss needs it); with `entropy`, also the detached per-token entropy `[B,T]` — computed
-    per micro-batch so no `[B,T,V]` tensor outlives it (a 128k vocabulary makes those large). Gradients flow
-    when called outside `no_grad`. Returns a tuple when either extra is asked for: (logp, full?, entropy?)."""
+@dataclass
+class CompletionScores:
+    logp: torch.Tensor                        # [B,T] log-prob of each completion token, 0 where masked
+    entropy: torch.Tensor | None = None       # [B,T] detached
+    topk_ids: torch.Tensor | None = None      # [B,T,k]
+    topk_logp: torch.Tensor | None = None     # [B,T,k] detached
+    support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
+
+
+def score_completions(model, batch: RolloutBatch, temperature: float = 1.0, *, impl: str = "chunked",
+                      entropy: bool = False, top_k: int = 0, support_ids: torch.Tensor | None = None,
+                      micro_batch_size: int | None = None) -> CompletionScores:
+    """Every scorer's log-probs of the completion tokens under `model` (trainer, local teachers, eval): per
+    token the log-prob (gradients flow outside `no_grad`), optionally the detached entropy, a top-k (under
+    `no_grad`) and the log-probs of `support_ids [B,T,S]`. `impl="chunked"` projects only the real completion
+    positions' final hidden states through `lm_head` in tiles (`algorithms.logprobs`: no `[T,V]` tensor, also in
+    backward); `"full"` is the model's own logits and a `log_softmax` over `[B,T,V]` (the path before chunking)."""
     B, T = batch.completion_ids.shape
     step = micro_batch_size or B
-    token_lp, full_lp, ents = [], [], []
+    parts = []
     for s in range(0, B, step):
         sub = batch.select(range(s, min(B, s + step))) if step < B else batch
-        ids, am = sub.input_ids(), sub.attention_mask()
+        sup = support_ids[s:s + step] if support_ids is not None else None
+        parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup))
+    if len(parts) == 1:
+        return parts[0]
+    return CompletionScores(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+                              for f in ("logp", "entropy", "topk_ids", "topk_logp", "support_logp")))
+
+
+def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, support_ids) -> CompletionScores:
+    T = sub.completion_ids.shape[1]
+    ids, am = sub.input_ids(), sub.attention_mask()
+    mask = sub.completion_mask.bool()
+    kw = dict(entropy=entropy, top_k=top_k)
+    if impl == "full":
         logits, _ = forward(model, ids, am, position_ids(am), logits_to_keep=T + 1)
-        logits = logits[:, :-1].float() / temperature  # position P-1+t predicts completion token t
-        lp = torch.log_softmax(logits, dim=-1)
-        tok = lp.gather(-1, sub.completion_ids.unsqueeze(-1)).squeeze(-1)
-        token_lp.append(torch.where(sub.completion_mask.bool(), tok, torch.zeros_like(tok)))
-        if full:
-            full_lp.append(lp)
-        if entropy:
-            with torch.no_grad():
-                ents.append(-(lp.exp() * lp).sum(-1))
-    out = torch.cat(token_lp)
-    if not (full or entropy):
-        return out
-    return (out,) + ((torch.cat(full_lp),) if full else ()) + ((torch.cat(ents),) if entropy else ())
+        # position P-1+t predicts completion token t
+        sc = logits_scores(logits[:, :-1], sub.completion_ids, temperature, support_ids=support_ids, **kw)
+        # padded positions were computed too; zero them like the chunked path, which never computes them
+        return CompletionScores(*(None if x is None else torch.where(_trail(mask, x.dim() - 2), x, 0) for x in
+                                  (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+    hidden = last_hidden_state(model, ids, am, position_ids(am))[:, -T - 1:-1][mask]  # [N,H]: real tokens only
+    head = unwrap(model).get_output_embeddings()
+    softcap, scale = logit_transform(model)
+    sc = token_logprobs(hidden, head.weight, sub.completion_ids[mask], LogitTransform(temperature, softcap, scale),
+                        bias=head.bias, impl=impl, support_ids=None if support_ids is None else support_ids[mask],
+                        **kw)
+    # masked_scatter keeps the result connected to the graph even when no position is real
+    return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
+        _trail(mask, x.dim() - 1), x) for x in (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+
+
+def _trail(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """`mask` with `n` trailing singleton dims (to broadcast over top-k / support columns)."""
+    return mask.reshape(mask.shape + (1,) * n)
+
+
+def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, *, impl: str = "chunked",
+                        micro_batch_size: int | None = None) -> torch.Tensor:
+    """`[B,T]` log-probs of the completion tokens (0 where masked): `score_completions(...).logp`."""
+    return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size).logp
 
 
 def prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:

@@ -18,7 +18,7 @@ import torch
 from ..algorithms import mix_teacher_logprobs
 from ..errors import TeacherError  # noqa: F401 - teachers.TeacherError stays the public name
 from ..models import check_same_tokenizer, load_model, load_tokenizer, tokenizer_fingerprint
-from ..rollout import RolloutBatch, completion_logprobs
+from ..rollout import RolloutBatch, score_completions
 
 
 @dataclass
@@ -65,8 +65,10 @@ class LocalTeacher(Teacher):
     in_process = True
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
-                 offload: bool = True, temperature: float = 1.0, batch_size: int | None = None):
+                 offload: bool = True, temperature: float = 1.0, batch_size: int | None = None,
+                 logprob_impl: str = "chunked"):
         self.name, self.path, self.device = name, str(path), torch.device(device)
+        self.logprob_impl = logprob_impl  # train.logprob_impl: the student's and teachers' log-probs alike
         # `offload` is kept as asked even on CPU (where moving weights is a no-op) so residency bookkeeping — at
         # most one teacher loaded at a time in colocated placement — is the same on every device
         self.offload = offload
@@ -102,14 +104,9 @@ class LocalTeacher(Teacher):
         t0 = time.perf_counter()
         self.load()
         try:
-            if top_k:
-                logp, full = completion_logprobs(self.model, batch, self.temperature, full=True,
-                                                 micro_batch_size=self.batch_size)  # local top-k only
-                tk = full.topk(top_k, dim=-1)
-                out = TeacherScore(logp, tk.indices, tk.values)
-            else:
-                out = TeacherScore(completion_logprobs(self.model, batch, self.temperature,
-                                                       micro_batch_size=self.batch_size))
+            sc = score_completions(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
+                                   micro_batch_size=self.batch_size)
+            out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp)
         finally:
             self.unload()
         self.stats["seconds"] += time.perf_counter() - t0
@@ -235,8 +232,9 @@ class TeacherRouter:
             t.close()
 
 
-def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32") -> TeacherRouter:
-    """`cfg` is a TeachersConfig."""
-    teachers = {n: LocalTeacher(n, p, device, dtype, cfg.offload, cfg.temperature, cfg.batch_size)
+def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32",
+                       logprob_impl: str = "chunked") -> TeacherRouter:
+    """`cfg` is a TeachersConfig; `logprob_impl` is train.logprob_impl."""
+    teachers = {n: LocalTeacher(n, p, device, dtype, cfg.offload, cfg.temperature, cfg.batch_size, logprob_impl)
                 for n, p in paths.items()}
     return TeacherRouter(teachers, cfg.routing, cfg.mixture_kind, cfg.mixture_weights, cfg.domain_mixture_weights)

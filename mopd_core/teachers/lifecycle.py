@@ -185,7 +185,7 @@ def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], stud
         from . import build_local_router
 
         return TeacherSet(build_local_router(dict(teachers), recipe.teachers, dinfo.torch_device,
-                                             recipe.runtime.dtype), backend)
+                                             recipe.runtime.dtype, recipe.train.logprob_impl), backend)
     from ..models import load_tokenizer
     from .http import build_http_router
 

@@ -27,7 +27,7 @@ from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
 from ..evaluation import evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
-from ..rollout import RolloutBatch, completion_logprobs
+from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
 from ..runtime.phases import PhaseScheduler, check_colocated_fit
@@ -200,7 +200,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             t0 = time.perf_counter()
             with phases.train():
                 upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
-                              recipe.rollout.temperature, rng)
+                              recipe.rollout.temperature, rng, recipe.train.logprob_impl)
             t_train = time.perf_counter() - t0
             if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
                 last = checkpoint_dirs(stage_dir)
@@ -317,9 +317,10 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 
 
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
-            temperature: float, rng: random.Random) -> dict[str, float]:
+            temperature: float, rng: random.Random, logprob_impl: str = "chunked") -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
-    micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch."""
+    micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
+    `logprob_impl` is train.logprob_impl (`rollout.score_completions`)."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -334,10 +335,9 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
         for s in range(0, len(mb), micro):
             rows = mb[s:s + micro]
             sub = batch.select(rows)
-            if use_jsd:
-                logp, full, ent = completion_logprobs(model, sub, temperature, full=True, entropy=True)
-            else:
-                logp, ent = completion_logprobs(model, sub, temperature, entropy=True)
+            sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True,
+                                   support_ids=routed.topk_ids[rows] if use_jsd else None)
+            logp, ent = sc.logp, sc.entropy
             mk = mask[rows]
             tw = token_w[rows] if token_w is not None else None
             loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows], mk, cfg.clip_low, cfg.clip_high,
@@ -345,8 +345,9 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             share = float(mk.sum()) / n_mb
             total = loss * share
             if use_jsd:
-                s_sup, t_sup = alg.topk_support(full, routed.topk_ids[rows], routed.topk_logp[rows],
-                                                sub.completion_ids, routed.logp[rows])
+                s_sup, t_sup = alg.support_from_gathered(sc.support_logp, logp, routed.topk_ids[rows],
+                                                         routed.topk_logp[rows], sub.completion_ids,
+                                                         routed.logp[rows])
                 jsd = alg.generalized_jsd(s_sup, t_sup, cfg.jsd_beta, mk)
                 total = total + cfg.w_kd * jsd * share
                 agg["jsd"] += float(jsd.detach()) * share / len(mbs)
