@@ -5,7 +5,18 @@
     if    "upper:abcd=" → "ABCD", "rep3:ab=" → "ababab"
 
 The completion is the answer string (the tokenizer appends EOS elsewhere); reward = exact match after
-stripping surrounding whitespace. The held-out eval set is `eval_size` distinct prompts drawn from a generator
+stripping surrounding whitespace.
+
+A weak demonstrator (params `weak_tasks`, `weak_rate`, default off): the SFT completion of a training example of
+one of `weak_tasks` runs one character too long (its last character repeated: "64" → "644") with probability
+`weak_rate` (`Example.fields["completion"]`; the reward still checks the exact answer). SFT then learns every
+task in full (each demonstration holds the whole answer) but, on the weak ones, not to stop, so its greedy answer
+there is wrong while a sample at temperature 1 is right ~(1 - weak_rate) of the time — the gap RL with the
+verifier closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's
+RL headroom from hanging on where SFT's learning curve stops (issue 9). (A demonstration cut one character short
+was tried first: the last character is then seen too rarely to be learned, and RL cannot recover it.)
+
+The held-out eval set is `eval_size` distinct prompts drawn from a generator
 seeded by (kind, seed) only — not by the domain's name — so it is the same for every run with that seed;
 `train_examples` rejects every eval prompt, so training never sees one.
 """
@@ -27,15 +38,19 @@ class SyntheticDomain(Domain):
 
     kind: ClassVar[str] = ""
     DEFAULTS: ClassVar[dict[str, Any]] = {}
+    TASKS: ClassVar[tuple[str, ...]] = ()
+    WEAK_DEFAULTS: ClassVar[dict[str, Any]] = {"weak_tasks": [], "weak_rate": 0.0}
 
     def __init__(self, name: str | None = None, *, eval_size: int = 200, seed: int = 0, **params: Any):
         self.name = name or self.kind
-        unknown = sorted(set(params) - set(self.DEFAULTS))
+        accepted = {**self.DEFAULTS, **self.WEAK_DEFAULTS}
+        unknown = sorted(set(params) - set(accepted))
         if unknown:
             raise DomainError(f"domain '{self.name}' (synthetic:{self.kind}): unknown params {unknown}; accepted: "
-                              f"{', '.join(f'{k} (default {v!r})' for k, v in self.DEFAULTS.items()) or 'none'}")
-        self.params: dict[str, Any] = {**self.DEFAULTS, **params}
+                              f"{', '.join(f'{k} (default {v!r})' for k, v in accepted.items()) or 'none'}")
+        self.params: dict[str, Any] = {**accepted, **params}
         self._check_params()
+        self._check_weak()
         if isinstance(eval_size, bool) or not isinstance(eval_size, int) or eval_size < 0:
             raise DomainError(f"domain '{self.name}': eval_size must be an int >= 0 (got {eval_size!r})")
         space = self.space_size()
@@ -68,6 +83,30 @@ class SyntheticDomain(Domain):
     def _check_params(self) -> None:
         pass
 
+    def task_of(self, prompt: str) -> str:
+        """The task a prompt belongs to ("sort", "rep", "+", …): the text before ':' (digits dropped)."""
+        return prompt.split(":", 1)[0].rstrip(string.digits)
+
+    def _check_weak(self) -> None:
+        tasks = self.params["weak_tasks"]
+        if isinstance(tasks, str):
+            tasks = [tasks]
+        if not isinstance(tasks, (list, tuple)) or any(t not in self.TASKS for t in tasks):
+            raise self._param_error("weak_tasks", f"must be a list drawn from {list(self.TASKS)}")
+        rate = self.params["weak_rate"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise self._param_error("weak_rate", "must be a number in [0, 1] (the share of weak demonstrations)")
+        self._weak, self._weak_rate = frozenset(tasks), float(rate)
+
+    def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
+        """`ex`, or with a weak demonstration (one character too long) as its SFT completion."""
+        if not self._weak_rate or not self._weak or self.task_of(ex.prompt) not in self._weak:
+            return ex
+        if rng.random() >= self._weak_rate or not ex.answer:
+            return ex
+        return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
+                       fields={**ex.fields, "completion": ex.answer + ex.answer[-1]})
+
     def _param_error(self, key: str, why: str) -> DomainError:
         return DomainError(f"domain '{self.name}' (synthetic:{self.kind}): params.{key}={self.params[key]!r} {why}")
 
@@ -92,7 +131,7 @@ class SyntheticDomain(Domain):
             for _attempt in range(_MAX_REJECTIONS):
                 ex = self.sample(rng)
                 if ex.prompt not in self._eval_prompts:
-                    out.append(ex)
+                    out.append(self._demonstrate(ex, rng))
                     break
             else:  # pragma: no cover - impossible while eval_size <= space/2
                 raise RuntimeError(f"domain '{self.name}': could not draw a non-eval prompt")
@@ -117,10 +156,15 @@ class SyntheticDomain(Domain):
 
 @register_domain("math")
 class MathDomain(SyntheticDomain):
-    """`digits`-digit operands (no leading zeros), ops from "+-*"; "37+45=" → "82", "91-27=" → "64"."""
+    """`digits`-digit operands (no leading zeros), ops from "+-*"; "37+45=" → "82", "91-27=" → "64". `digits_b`
+    (default: `digits`) sets the second operand's length alone: "37+5=" → "42" with digits_b 1."""
 
     kind = "math"
-    DEFAULTS = {"digits": 2, "ops": "+-"}
+    DEFAULTS = {"digits": 2, "ops": "+-", "digits_b": None}
+    TASKS = ("+", "-", "*")
+
+    def task_of(self, prompt: str) -> str:
+        return next((o for o in "+-*" if o in prompt), "")
 
     def _check_params(self) -> None:
         d = self._int_param("digits", 1, 9)
@@ -128,21 +172,26 @@ class MathDomain(SyntheticDomain):
         if not isinstance(ops, str) or not ops or any(o not in "+-*" for o in ops):
             raise self._param_error("ops", "must be a non-empty string of operators from '+-*'")
         self._ops = "".join(dict.fromkeys(ops))
-        self._lo = 10 ** (d - 1) if d > 1 else 0
-        self._hi = 10 ** d - 1
+        db = d if self.params["digits_b"] is None else self._int_param("digits_b", 1, 9)
+        span = lambda k: (10 ** (k - 1) if k > 1 else 0, 10 ** k - 1)  # noqa: E731
+        self._lo, self._hi = span(d)
+        self._lo_b, self._hi_b = span(db)
 
     def sample(self, rng: random.Random) -> Example:
         op = self._ops[rng.randrange(len(self._ops))]
         a = rng.randint(self._lo, self._hi)
-        b = rng.randint(self._lo, self._hi)
+        b = rng.randint(self._lo_b, self._hi_b)
         if op == "-" and a < b:
             a, b = b, a
         val = a + b if op == "+" else a - b if op == "-" else a * b
         return self._ex(f"{a}{op}{b}=", str(val))
 
     def space_size(self) -> int:
-        n = self._hi - self._lo + 1
-        return sum(n * (n + 1) // 2 if op == "-" else n * n for op in self._ops)
+        n, m = self._hi - self._lo + 1, self._hi_b - self._lo_b + 1
+        if (self._lo, self._hi) == (self._lo_b, self._hi_b):
+            return sum(n * (n + 1) // 2 if op == "-" else n * n for op in self._ops)
+        # operands of different lengths: a ≥ b, or swapped for '-' (pairs counted once)
+        return sum(n * m for _ in self._ops)
 
 
 @register_domain("code")

@@ -44,7 +44,9 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
         if e.answer is None:
             raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
                             "has none — add an `answer` column or drop the domain from sft.mix")
-        rows.append({"prompt": e.prompt, "completion": e.answer})
+        # the data's own SFT completion where it has one (a demonstration that differs from the verifier's
+        # reference, e.g. a weak demonstrator), else the reference answer
+        rows.append({"prompt": e.prompt, "completion": e.fields.get("completion", e.answer)})
     rng.shuffle(rows)
     return rows
 

@@ -120,6 +120,54 @@ def test_synthetic_params():
         build_domain("m", "synthetic:math", {"digits": 1, "ops": "+"}, eval_size=90)
 
 
+@pytest.mark.parametrize("kind,weak,other", [("math", "-", "+"), ("code", "rev", "sort"), ("if", "rep", "upper")])
+def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other):
+    """With `weak_rate` r, about r of the weak task's SFT completions run one character long; the reward's
+    reference, the other task and the eval set are untouched; off by default (and then the same draws)."""
+    from mopd_core.config import load_config
+    from mopd_core.train.sft import sft_examples
+
+    dom = build_domain(kind, f"synthetic:{kind}", {"weak_tasks": [weak], "weak_rate": 0.7}, eval_size=20)
+    exs = dom.train_examples(3000, random.Random(1))
+    cut = {True: [0, 0], False: [0, 0]}
+    for e in exs:
+        is_weak = dom.task_of(e.prompt) == weak
+        assert dom.task_of(e.prompt) in (weak, other)
+        c = e.fields.get("completion")
+        if c is not None:
+            assert is_weak and c == e.answer + e.answer[-1] and dom.reward(e, e.answer) == 1.0
+            assert dom.reward(e, c) == 0.0
+        cut[is_weak][0] += c is not None
+        cut[is_weak][1] += 1
+    assert cut[False][0] == 0
+    assert 0.64 < cut[True][0] / cut[True][1] < 0.76, cut  # 0.7 of them, ± ~5 sigma
+    assert not any("completion" in e.fields for e in dom.eval_examples())
+    plain = build_domain(kind, f"synthetic:{kind}", eval_size=20)
+    assert [e.prompt for e in plain.train_examples(50, random.Random(1))] == \
+        [e.prompt for e in build_domain(kind, f"synthetic:{kind}", {"weak_rate": 0.0},
+                                        eval_size=20).train_examples(50, random.Random(1))]
+    # SFT trains on the demonstration, the verifier keeps the reference
+    cfg = load_config("tiny", ["sft.steps=4", "sft.batch_size=64", f"sft.mix={{{kind}: 1.0}}"])
+    rows = [r for r in sft_examples(cfg, {kind: dom}) if dom.task_of(r["prompt"]) == weak]
+
+    def reference(prompt: str) -> str:  # the weak task's right answer, from the prompt alone
+        body = prompt[:-1]
+        if kind == "math":
+            a, b = map(int, body.split("-"))
+            return str(a - b)
+        task, w = body.split(":")
+        return w[::-1] if task == "rev" else w * int(task[3:])
+
+    long = sum(r["completion"] == reference(r["prompt"]) + reference(r["prompt"])[-1] for r in rows)
+    assert all(r["completion"] in (reference(r["prompt"]), reference(r["prompt"]) + reference(r["prompt"])[-1])
+               for r in rows)
+    assert 0.5 < long / len(rows) < 0.85, (long, len(rows))
+    with pytest.raises(DomainError, match="params.weak_tasks"):
+        build_domain(kind, f"synthetic:{kind}", {"weak_tasks": ["nope"]})
+    with pytest.raises(DomainError, match="params.weak_rate"):
+        build_domain(kind, f"synthetic:{kind}", {"weak_rate": 1.5})
+
+
 def test_unknown_kind_lists_the_known_ones():
     with pytest.raises(DomainError, match=r"unknown synthetic domain kind 'chess'; known kinds: .*code.*if.*math"):
         build_domain("chess", "synthetic:chess")
