@@ -186,6 +186,14 @@ class TrainConfig(_Model):
         "chunked", description="Log-probs, entropy, teacher top-k and the JSD support of the trainer and local "
         "teachers: `chunked` projects final hidden states through lm_head in tiles, recomputed in backward (memory "
         "grows with tokens·hidden, never tokens·vocab); `full` materialises the [B,T,V] log-softmax (comparison).")
+    # Like logprob_impl it only changes how the minibatch's token-mean is summed, yet the sum comes out in another
+    # float order, so it is fingerprinted too (recipe.train_fingerprint_part leaves it out while it is None, so
+    # configs without it keep the identity they had before it existed).
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Token budget of one RL/MOPD forward/backward: a minibatch's rows, longest first, "
+        "are grouped so that rows × (longest prompt + longest completion) stays within it, each micro-batch padded "
+        "only to its own longest row (a longer row gets one of its own); replaces the section's micro_batch_size. "
+        "None = micro_batch_size rows per micro-batch at the batch's full width.")
 
 
 class PolicyLoopConfig(_Model):

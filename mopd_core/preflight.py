@@ -10,6 +10,7 @@ seconds, names the field or file and the fix, and leaves no stage folder behind.
   (http teachers: the servers' max-model-len is checked when the router is built, `teachers/http.py`);
 - the device exists, `rollout.backend=vllm` can run here, and the colocated phases fit the memory budget
   (`runtime.memory_limit_gib`, from parameter counts);
+- `train.max_tokens_per_micro_batch`, when set, holds the longest row (prompt + completion); else a warning;
 - every prompt of the data fits `data.max_prompt_tokens`, tokenized with the run's tokenizer (dataset rows: all
   of them, named by file and row; synthetic domains: the eval set and a sample of training prompts);
 - the output dir can be written (nothing in the way is a regular file, files can be created there) and its disk
@@ -103,6 +104,12 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
     recipe, not after the experts have trained."""
     from .train.loop import check_loop_config
 
+    budget = recipe.train.max_tokens_per_micro_batch
+    if budget is not None and stage not in ("sft", "eval") and budget < recipe.max_seq_len():
+        # a warning, not an error: such a row still trains, in a micro-batch of its own over the budget
+        log.warning("train.max_tokens_per_micro_batch=%d is below the longest row (data.max_prompt_tokens + "
+                    "rollout.max_new_tokens = %d): such rows run alone, over the budget — raise it to at least %d",
+                    budget, recipe.max_seq_len(), recipe.max_seq_len())
     if stage == "recipe" or not _is_mopd_free(stage):  # the mopd stage, or a recipe that will reach it
         t = recipe.teachers
         if t.endpoints and t.backend != "http":

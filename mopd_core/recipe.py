@@ -105,13 +105,20 @@ def _sft_fp(recipe: RecipeConfig, base_id: str) -> str:
                              recipe.rollout.max_new_tokens, recipe.eval, base_id)
 
 
+def train_fingerprint_part(recipe: RecipeConfig) -> dict:
+    """The `train` section as the RL fingerprints take it: `max_tokens_per_micro_batch` only when set, so a config
+    that does not use it keeps the identity (and the finished stages) it had before the field existed."""
+    unset = {"max_tokens_per_micro_batch"} if recipe.train.max_tokens_per_micro_batch is None else set()
+    return recipe.train.model_dump(mode="json", exclude=unset)
+
+
 def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
-                             recipe.train)
+                             train_fingerprint_part(recipe))
 
 
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
@@ -120,7 +127,8 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
     return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
-                             init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())), recipe.train)
+                             init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
+                             train_fingerprint_part(recipe))
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:

@@ -33,6 +33,7 @@ from ..runtime import device as devlib
 from ..runtime.phases import PhaseScheduler, check_colocated_fit
 from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
                          read_stage, save_checkpoint, write_stage)
+from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
 from .progress import StageProgress
 
 
@@ -200,7 +201,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             t0 = time.perf_counter()
             with phases.train():
                 upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
-                              recipe.rollout.temperature, rng, recipe.train.logprob_impl)
+                              recipe.rollout.temperature, rng, recipe.train.logprob_impl,
+                              recipe.train.max_tokens_per_micro_batch)
             t_train = time.perf_counter() - t0
             if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
                 last = checkpoint_dirs(stage_dir)
@@ -317,10 +319,15 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 
 
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
-            temperature: float, rng: random.Random, logprob_impl: str = "chunked") -> dict[str, float]:
+            temperature: float, rng: random.Random, logprob_impl: str = "chunked",
+            max_tokens: int | None = None) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
-    `logprob_impl` is train.logprob_impl (`rollout.score_completions`)."""
+    `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
+    train.max_tokens_per_micro_batch: micro-batches by a token budget, each cut to its own longest row
+    (`train.microbatch`), instead of `cfg.micro_batch_size` rows at the batch's full width. Under DDP every rank
+    must run as many backwards (each all-reduces), which a token budget does not guarantee: the Ray workers do
+    not pass it. `perf/pad_frac`: the padding share of the positions all forwards computed."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -328,26 +335,36 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     mbs = [order[i::cfg.minibatches] for i in range(cfg.minibatches)]
     agg = defaultdict(float)
     use_jsd = routed is not None and cfg.kd_loss == "jsd"
+    lens = row_lengths(batch) if max_tokens is not None else None
+    computed = real = 0
     for mb in mbs:
         opt.zero_grad(set_to_none=True)
         n_mb = float(mask[mb].sum()) or 1.0
-        micro = cfg.micro_batch_size or len(mb)
-        for s in range(0, len(mb), micro):
-            rows = mb[s:s + micro]
-            sub = batch.select(rows)
+        if max_tokens is not None:
+            micros = token_budget_micro_batches(mb, *lens, max_tokens)
+        else:
+            micro = cfg.micro_batch_size or len(mb)
+            micros = [mb[s:s + micro] for s in range(0, len(mb), micro)]
+        for rows in micros:
+            if max_tokens is not None:
+                sub, t = trim(batch, rows)
+            else:  # today's layout, untouched: the batch's full width (same numbers as before the budget)
+                sub, t = batch.select(rows), batch.completion_ids.shape[1]
+            c, r = padded_positions(sub)
+            computed, real = computed + c, real + r
             sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True,
-                                   support_ids=routed.topk_ids[rows] if use_jsd else None)
+                                   support_ids=routed.topk_ids[rows, :t] if use_jsd else None)
             logp, ent = sc.logp, sc.entropy
-            mk = mask[rows]
-            tw = token_w[rows] if token_w is not None else None
-            loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows], mk, cfg.clip_low, cfg.clip_high,
+            mk = mask[rows, :t]
+            tw = token_w[rows, :t] if token_w is not None else None
+            loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows, :t], mk, cfg.clip_low, cfg.clip_high,
                                         token_weights=tw)
-            share = float(mk.sum()) / n_mb
+            share = float(mk.sum()) / n_mb  # weight by tokens, not by micro-batch count: the minibatch's token mean
             total = loss * share
             if use_jsd:
-                s_sup, t_sup = alg.support_from_gathered(sc.support_logp, logp, routed.topk_ids[rows],
-                                                         routed.topk_logp[rows], sub.completion_ids,
-                                                         routed.logp[rows])
+                s_sup, t_sup = alg.support_from_gathered(sc.support_logp, logp, routed.topk_ids[rows, :t],
+                                                         routed.topk_logp[rows, :t], sub.completion_ids,
+                                                         routed.logp[rows, :t])
                 jsd = alg.generalized_jsd(s_sup, t_sup, cfg.jsd_beta, mk)
                 total = total + cfg.w_kd * jsd * share
                 agg["jsd"] += float(jsd.detach()) * share / len(mbs)
@@ -359,6 +376,8 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             agg["loss"] += float(total.detach()) / len(mbs)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         agg["grad_norm"] += float(gn) / len(mbs)
+        agg["perf/pad_frac"] = 1.0 - real / max(computed, 1)
+        agg["perf/micro_batches"] += float(len(micros))
         if not (math.isfinite(agg["loss"]) and math.isfinite(float(gn))):
             opt.zero_grad(set_to_none=True)
             return dict(agg)
