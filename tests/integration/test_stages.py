@@ -70,7 +70,7 @@ def test_expert_rl_updates_and_logs_design_metrics(sft_run):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         for key in ("reward/short", "length/short", "loss", "grad_norm", "entropy", "clip_frac",
-                    "perf/tokens_per_s", "perf/rollout_s", "perf/train_s", "mem/host_rss_mb"):
+                    "perf/tokens_per_s", "perf/rollout_s", "perf/train_s", "perf/pad_frac", "mem/host_rss_mb"):
             assert key in r, key
         assert 0.0 <= r["reward/short"] <= 1.0
         assert torch.isfinite(torch.tensor(r["loss"]))
@@ -80,6 +80,23 @@ def test_expert_rl_updates_and_logs_design_metrics(sft_run):
     assert ck.name == "step-000003"
     st = torch.load(ck / "loop_state.pt", weights_only=False)
     assert st["step"] == 3 and st["optimizer"]["state"]
+
+
+def test_token_budget_micro_batches_train_the_same_first_step_with_less_padding(sft_run, tmp_path):
+    """train.max_tokens_per_micro_batch through the real loop: step 1 (same rollouts, same weights) has the loss
+    and gradient norm of the padded single micro-batch, in more, less padded forwards."""
+    cfg, _, sft = sft_run
+    rows = {}
+    for name, budget in (("padded", None), ("budget", 64)):
+        c = cfg.model_copy(update={"output_dir": str(tmp_path / name)}, deep=True)
+        c.train.max_tokens_per_micro_batch = budget
+        rows[name] = _rows(R.expert_stage(c, "short", sft.model_dir, progress=False).stage_dir / "metrics.jsonl")
+    a, b = rows["padded"][0], rows["budget"][0]
+    for k in ("loss", "grad_norm", "entropy", "clip_frac"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    assert a["perf/micro_batches"] == 1 and b["perf/micro_batches"] > 1
+    assert 0.0 <= b["perf/pad_frac"] < a["perf/pad_frac"] < 1.0
+    assert len(rows["budget"]) == 3
 
 
 def _expert_paths(cfg, sft_dir, tmp_path) -> dict[str, Path]:
