@@ -8,13 +8,15 @@ The completion is the answer string (the tokenizer appends EOS elsewhere); rewar
 stripping surrounding whitespace.
 
 A weak demonstrator (params `weak_tasks`, `weak_rate`, default off): the SFT completion of a training example of
-one of `weak_tasks` runs one character too long (its last character repeated: "64" → "644") with probability
-`weak_rate` (`Example.fields["completion"]`; the reward still checks the exact answer). SFT then learns every
-task in full (each demonstration holds the whole answer) but, on the weak ones, not to stop, so its greedy answer
-there is wrong while a sample at temperature 1 is right ~(1 - weak_rate) of the time — the gap RL with the
-verifier closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's
-RL headroom from hanging on where SFT's learning curve stops (issue 9). (A demonstration cut one character short
-was tried first: the last character is then seen too rarely to be learned, and RL cannot recover it.)
+one of `weak_tasks` ends in a stray "." ("64" → "64.") with probability `weak_rate` (`Example.fields
+["completion"]`; the reward still checks the exact answer) — a format slip, as real demonstrators make. SFT
+learns every task in full, and on the weak ones to add the "." more often than not, so its greedy answer there
+is wrong while a sample at temperature 1 is right ~(1 - weak_rate) × its skill — the gap RL with the verifier
+closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's RL
+headroom from hanging on where SFT's learning curve stops (issue 9). Tried first: a demonstration cut one
+character short (the last character is then seen too rarely to be learned, so RL cannot recover it) and one
+with its last character repeated (the model spreads that mass over several characters, so on some seeds greedy
+decoding already stops right and the gap is gone) — one fixed token keeps the gap the same on every seed.
 
 The held-out eval set is `eval_size` distinct prompts drawn from a generator
 seeded by (kind, seed) only — not by the domain's name — so it is the same for every run with that seed;
@@ -31,6 +33,7 @@ from typing import Any, ClassVar
 from .base import Domain, DomainError, Example, exact_match, register_domain
 
 _MAX_REJECTIONS = 10_000
+WEAK_SUFFIX = "."  # what the weak demonstrator appends (one token of the tiny character vocabulary)
 
 
 class SyntheticDomain(Domain):
@@ -99,13 +102,13 @@ class SyntheticDomain(Domain):
         self._weak, self._weak_rate = frozenset(tasks), float(rate)
 
     def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
-        """`ex`, or with a weak demonstration (one character too long) as its SFT completion."""
+        """`ex`, or with a weak demonstration (a stray "." after the answer) as its SFT completion."""
         if not self._weak_rate or not self._weak or self.task_of(ex.prompt) not in self._weak:
             return ex
-        if rng.random() >= self._weak_rate or not ex.answer:
+        if rng.random() >= self._weak_rate or ex.answer is None:
             return ex
         return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
-                       fields={**ex.fields, "completion": ex.answer + ex.answer[-1]})
+                       fields={**ex.fields, "completion": ex.answer + WEAK_SUFFIX})
 
     def _param_error(self, key: str, why: str) -> DomainError:
         return DomainError(f"domain '{self.name}' (synthetic:{self.kind}): params.{key}={self.params[key]!r} {why}")

@@ -122,7 +122,7 @@ def test_synthetic_params():
 
 @pytest.mark.parametrize("kind,weak,other", [("math", "-", "+"), ("code", "rev", "sort"), ("if", "rep", "upper")])
 def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other):
-    """With `weak_rate` r, about r of the weak task's SFT completions run one character long; the reward's
+    """With `weak_rate` r, about r of the weak task's SFT completions end in a stray "."; the reward's
     reference, the other task and the eval set are untouched; off by default (and then the same draws)."""
     from mopd_core.config import load_config
     from mopd_core.train.sft import sft_examples
@@ -135,7 +135,7 @@ def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other)
         assert dom.task_of(e.prompt) in (weak, other)
         c = e.fields.get("completion")
         if c is not None:
-            assert is_weak and c == e.answer + e.answer[-1] and dom.reward(e, e.answer) == 1.0
+            assert is_weak and c == e.answer + "." and dom.reward(e, e.answer) == 1.0
             assert dom.reward(e, c) == 0.0
         cut[is_weak][0] += c is not None
         cut[is_weak][1] += 1
@@ -158,9 +158,8 @@ def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other)
         task, w = body.split(":")
         return w[::-1] if task == "rev" else w * int(task[3:])
 
-    long = sum(r["completion"] == reference(r["prompt"]) + reference(r["prompt"])[-1] for r in rows)
-    assert all(r["completion"] in (reference(r["prompt"]), reference(r["prompt"]) + reference(r["prompt"])[-1])
-               for r in rows)
+    long = sum(r["completion"] == reference(r["prompt"]) + "." for r in rows)
+    assert all(r["completion"] in (reference(r["prompt"]), reference(r["prompt"]) + ".") for r in rows)
     assert 0.5 < long / len(rows) < 0.85, (long, len(rows))
     with pytest.raises(DomainError, match="params.weak_tasks"):
         build_domain(kind, f"synthetic:{kind}", {"weak_tasks": ["nope"]})
