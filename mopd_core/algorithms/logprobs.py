@@ -159,13 +159,12 @@ def _gather_local(z: torch.Tensor, ids: torch.Tensor, v0: int):
 
 
 @torch.no_grad()
-def _scan(hidden, weight, bias, targets, transform, entropy, top_k, support_ids) -> TokenScores:
-    """Online logsumexp (+ entropy statistics, running top-k, target / support logits) in one pass, no grad."""
+def _pass(hidden, weight, bias, ids, transform, entropy=False, top_k=0):
+    """One no-grad pass over the tiles (online logsumexp): (log Z [N], transformed logits at `ids` [N,S],
+    entropy [N] or None, (top-k values, ids) [N,k] or None). Shared by `_scan` and `_SupportLogProbs`."""
     N, dev = hidden.shape[0], hidden.device
     m = torch.full((N,), float("-inf"), device=dev)
     s, xs = torch.zeros(N, device=dev), torch.zeros(N, device=dev)
-    ids = targets.long()[:, None] if support_ids is None else torch.cat([targets.long()[:, None],
-                                                                          support_ids.long()], 1)
     zid = torch.zeros(ids.shape, device=dev)
     k = min(top_k, weight.shape[0])
     tv = torch.full((N, k), float("-inf"), device=dev)
@@ -179,17 +178,24 @@ def _scan(hidden, weight, bias, targets, transform, entropy, top_k, support_ids)
         if entropy:
             xs[rows] = xs[rows] * r + (e * z).sum(1)
         m[rows] = new_m
-        g, _ = _gather_local(z, ids[rows], v0)
-        zid[rows] += g
+        zid[rows] += _gather_local(z, ids[rows], v0)[0]
         if k:
             cv, ci = z.topk(min(k, z.shape[1]), dim=1)
             mv, pos = torch.cat([tv[rows], cv], 1).topk(k, dim=1)
             ti[rows] = torch.cat([ti[rows], ci + v0], 1).gather(1, pos)
             tv[rows] = mv
     log_z = m + torch.log(s)
-    out = TokenScores(zid[:, 0] - log_z, log_z - xs / s if entropy else None)
-    if k:
-        out.topk_ids, out.topk_logp = ti, tv - log_z[:, None]
+    return log_z, zid, (log_z - xs / s if entropy else None), ((tv, ti) if k else None)
+
+
+def _scan(hidden, weight, bias, targets, transform, entropy, top_k, support_ids) -> TokenScores:
+    """Target log-prob (+ entropy, running top-k, support log-probs) in one pass, no grad."""
+    ids = targets.long()[:, None] if support_ids is None else torch.cat([targets.long()[:, None],
+                                                                          support_ids.long()], 1)
+    log_z, zid, ent, top = _pass(hidden, weight, bias, ids, transform, entropy, top_k)
+    out = TokenScores(zid[:, 0] - log_z, ent)
+    if top is not None:
+        out.topk_ids, out.topk_logp = top[1], top[0] - log_z[:, None]
     if support_ids is not None:
         out.support_logp = zid[:, 1:] - log_z[:, None]
     return out
@@ -201,17 +207,7 @@ class _SupportLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, transform):
-        N = hidden.shape[0]
-        m = torch.full((N,), float("-inf"), device=hidden.device)
-        s = torch.zeros(N, device=hidden.device)
-        zid = torch.zeros(ids.shape, device=hidden.device)
-        for rows, v0, y in _tiles(hidden, weight, bias):
-            z = transform(y)
-            new_m = torch.maximum(m[rows], z.amax(1))
-            s[rows] = s[rows] * torch.exp(m[rows] - new_m) + torch.exp(z - new_m[:, None]).sum(1)
-            m[rows] = new_m
-            zid[rows] += _gather_local(z, ids[rows], v0)[0]
-        log_z = m + torch.log(s)
+        log_z, zid, _, _ = _pass(hidden, weight, bias, ids, transform)
         ctx.save_for_backward(hidden, weight, bias, ids, log_z)
         ctx.transform = transform
         return zid - log_z[:, None]
