@@ -125,7 +125,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     start = 0
     model_src = init_path
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
-        raise StageStateError(f"{stage_dir} already trained {ckpts[-1].name.split('-')[1].lstrip('0')} steps, "
+        raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "
                               f"more than the {loop_cfg.steps} asked for; ask for at least that many steps, restart "
                               f"the stage (`--restart`; in a Prefect flow `refresh`) or choose another name")
     if ckpts:  # resume — also extends a finished stage when only `steps` grew

@@ -41,12 +41,13 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
     rng = random.Random(f"{recipe.seed}/sft")
     rows = []
     for e in sample_prompts(domains, weights, n, rng):
-        if e.answer is None:
-            raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
-                            "has none — add an `answer` column or drop the domain from sft.mix")
         # the data's own SFT completion where it has one (a demonstration that differs from the verifier's
         # reference, e.g. a weak demonstrator), else the reference answer
-        rows.append({"prompt": e.prompt, "completion": e.fields.get("completion", e.answer)})
+        completion = e.fields.get("completion", e.answer)
+        if completion is None:
+            raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
+                            "has none — add an `answer` (or `completion`) column or drop the domain from sft.mix")
+        rows.append({"prompt": e.prompt, "completion": completion})
     rng.shuffle(rows)
     return rows
 

@@ -121,7 +121,7 @@ def test_synthetic_params():
 
 
 @pytest.mark.parametrize("kind,weak,other", [("math", "-", "+"), ("code", "rev", "sort"), ("if", "rep", "upper")])
-def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other):
+def test_weak_demonstrator_changes_only_its_tasks_sft_completion(kind, weak, other):
     """With `weak_rate` r, about r of the weak task's SFT completions end in a stray "."; the reward's
     reference, the other task and the eval set are untouched; off by default (and then the same draws)."""
     from mopd_core.config import load_config
@@ -129,7 +129,7 @@ def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other)
 
     dom = build_domain(kind, f"synthetic:{kind}", {"weak_tasks": [weak], "weak_rate": 0.7}, eval_size=20)
     exs = dom.train_examples(3000, random.Random(1))
-    cut = {True: [0, 0], False: [0, 0]}
+    flawed = {True: [0, 0], False: [0, 0]}  # per is-weak-task: [flawed, all]
     for e in exs:
         is_weak = dom.task_of(e.prompt) == weak
         assert dom.task_of(e.prompt) in (weak, other)
@@ -137,15 +137,14 @@ def test_weak_demonstrator_cuts_only_its_tasks_sft_completion(kind, weak, other)
         if c is not None:
             assert is_weak and c == e.answer + "." and dom.reward(e, e.answer) == 1.0
             assert dom.reward(e, c) == 0.0
-        cut[is_weak][0] += c is not None
-        cut[is_weak][1] += 1
-    assert cut[False][0] == 0
-    assert 0.64 < cut[True][0] / cut[True][1] < 0.76, cut  # 0.7 of them, ± ~5 sigma
+        flawed[is_weak][0] += c is not None
+        flawed[is_weak][1] += 1
+    assert flawed[False][0] == 0
+    assert 0.64 < flawed[True][0] / flawed[True][1] < 0.76, flawed  # 0.7 of them, ± ~5 sigma
     assert not any("completion" in e.fields for e in dom.eval_examples())
     plain = build_domain(kind, f"synthetic:{kind}", eval_size=20)
-    assert [e.prompt for e in plain.train_examples(50, random.Random(1))] == \
-        [e.prompt for e in build_domain(kind, f"synthetic:{kind}", {"weak_rate": 0.0},
-                                        eval_size=20).train_examples(50, random.Random(1))]
+    zero = build_domain(kind, f"synthetic:{kind}", {"weak_tasks": [weak], "weak_rate": 0.0}, eval_size=20)
+    assert plain.train_examples(50, random.Random(1)) == zero.train_examples(50, random.Random(1))
     # SFT trains on the demonstration, the verifier keeps the reference
     cfg = load_config("tiny", ["sft.steps=4", "sft.batch_size=64", f"sft.mix={{{kind}: 1.0}}"])
     rows = [r for r in sft_examples(cfg, {kind: dom}) if dom.task_of(r["prompt"]) == weak]
@@ -352,3 +351,32 @@ def test_simple_verifiers():
     assert em.batch([ex, ex], ["Paris", "Rome"]) == [1.0, 0.0]
     with pytest.raises(DomainError, match="unknown verifier 'bleu'; known verifiers: code_tests, contains, exact_"):
         get_verifier("bleu")
+
+
+def test_sft_trains_on_a_datasets_completion_column_and_needs_an_answer_or_completion(tmp_path):
+    """A `completion` column is the SFT target while `answer` stays the verifier's; a domain whose examples have
+    neither is one line naming both columns."""
+    from mopd_core.config import load_config
+    from mopd_core.errors import DataError
+    from mopd_core.train.sft import sft_examples
+
+    rows = [{"prompt": f"q{i}=", "teacher_id": "math", "answer": f"a{i}", "completion": f"c{i}"} for i in range(20)]
+    dom = build_domain("math", str(_write_jsonl(tmp_path / "c.jsonl", rows)), eval_size=2, seed=0)
+    cfg = load_config("tiny", ["sft.steps=2", "sft.batch_size=8", "sft.mix={math: 1.0}"])
+    got = sft_examples(cfg, {"math": dom})
+    assert len(got) == 16 and all(r["completion"] == "c" + r["prompt"][1:-1] for r in got)
+
+    class Bare(Domain):
+        name = "math"
+
+        def train_examples(self, n, rng):
+            return [Example(f"q{i}=", "math") for i in range(n)]
+
+        def eval_examples(self):
+            return []
+
+        def reward(self, example, completion):
+            return 0.0
+
+    with pytest.raises(DataError, match="SFT needs a reference answer.*`completion`"):
+        sft_examples(cfg, {"math": Bare()})
