@@ -41,6 +41,27 @@ class RuntimeConfig(_Model):
         None, gt=0, description="Device memory the colocated phases may use (checked before any compute: train = "
         "weights + grads + optimizer state; score = student + one teacher, or all teachers without "
         "teachers.offload); None = the device's total (host RAM on cpu).")
+    num_workers: int = Field(
+        1, ge=1, description="Training workers of the expert and MOPD updates, one per device, on Ray (with "
+        "runtime.strategy ddp or fsdp2). The loop samples and scores in the driver from the gathered weights.")
+    strategy: Literal["single", "ddp", "fsdp2"] = Field(
+        "single", description="How the RL/MOPD update runs: `single` in this process; `ddp` on num_workers Ray "
+        "workers with a replicated student; `fsdp2` sharding parameters, gradients and optimizer state over them "
+        "(torch fully_shard per decoder layer).")
+    ray_address: str | None = Field(
+        None, description="An existing Ray cluster to run the workers on (`ray start --head` …; e.g. "
+        "`10.0.0.1:6379` or `auto`); None = start a local Ray for the stage.")
+    ray_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement-group strategy of the workers' bundles (STRICT_SPREAD: one per node).")
+    ray_timeout_s: float = Field(
+        300.0, gt=0, description="How long worker start-up, placement and every collective may take.")
+
+    @model_validator(mode="after")
+    def _workers(self) -> "RuntimeConfig":
+        if self.num_workers > 1 and self.strategy == "single":
+            raise ValueError(f"runtime.num_workers={self.num_workers} needs runtime.strategy=ddp or fsdp2 "
+                             "(single trains in this process)")
+        return self
 
 
 class TinyModelConfig(_Model):

@@ -207,6 +207,16 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
                        res.history)
 
 
+def policy_trainer(recipe: RecipeConfig, loop_cfg, stage: str):
+    """Where the on-policy update runs: None = in the loop's process (`runtime.strategy: single`); else Ray
+    workers under DDP/FSDP2 (`distributed.trainer`; nothing starts until the loop needs it)."""
+    if recipe.runtime.strategy == "single":
+        return None
+    from .distributed.trainer import RayPolicyTrainer
+
+    return RayPolicyTrainer(recipe, loop_cfg, stage)
+
+
 def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True) -> StageOutput:
     """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting)."""
     from .train.loop import run_policy_loop
@@ -221,7 +231,8 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
     name = f"expert-{domain}"
     res = run_policy_loop(stage=name, loop_cfg=cfg, recipe=recipe, init_path=init,
                           domains={domain: all_domains[domain]}, eval_domains=all_domains,
-                          stage_dir=recipe.run_dir() / name, fingerprint=fp, progress=progress)
+                          stage_dir=recipe.run_dir() / name, fingerprint=fp, progress=progress,
+                          trainer=policy_trainer(recipe, cfg, name))
     return StageOutput(name, res.final_dir, recipe.run_dir() / name, res.eval, time.perf_counter() - t0,
                        res.history)
 
@@ -273,7 +284,8 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     try:
         res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
                               domains=domains, eval_domains=domains, stage_dir=stage_dir,
-                              fingerprint=fp, teachers=ts.router if ts is not None else None, progress=progress)
+                              fingerprint=fp, teachers=ts.router if ts is not None else None, progress=progress,
+                              trainer=policy_trainer(recipe, recipe.mopd, stage_name))
         manifest = ts.manifest() if ts is not None else {}
     finally:
         if ts is not None:

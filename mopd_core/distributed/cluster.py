@@ -4,9 +4,14 @@ workers running torch.distributed, colocated rollout workers, and the weight han
 Layout for `ClusterSpec(num_workers=N, kind=..., tp=k)`:
 
     bundles          0            1            2            3           one per device: {"CPU"|"GPU"|"NPU": 1}
-    TrainWorker      rank 0       rank 1       rank 2       rank 3      DDP over the train group (ranks 0..N-1)
+    TrainWorker      rank 0       rank 1       rank 2       rank 3      DDP or FSDP2 over the train group (0..N-1)
     RolloutWorker    instance 0                instance 1               on bundles 0, k, 2k… (k=2 here):
                      rank N                    rank N+1                 a TP group of k trainers → one instance
+
+`train_strategy`: `ddp` replicates the student on every rank (gradients all-reduced); `fsdp2` shards parameters,
+gradients and optimizer state over the train group with torch's `fully_shard` (one unit per decoder layer, as
+`_no_split_modules` names them, plus the root), so each rank holds ~1/N of them. `rollout=False` starts no rollout
+workers: the on-policy loop samples in the driver from the gathered weights (`distributed.trainer`).
 
 Every actor joins one torch.distributed world (trainers first, then rollout workers) with the device's backend
 (gloo on CPU, nccl on CUDA, hccl on NPU — from `runtime.device`), and creates the same two subgroups: `train`
@@ -50,6 +55,7 @@ RESOURCE = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
 #: Transport used when `ClusterSpec.transport` is None, by compute device.
 DEFAULT_TRANSPORT = {"cpu": "collective", "cuda": "cuda_ipc", "npu": "shared_memory"}
 TRANSPORTS = ("collective", "cuda_ipc", "shared_memory")
+TRAIN_STRATEGIES = ("ddp", "fsdp2")
 # Trainer and rollout worker share a bundle (colocated): each asks for this fraction of its resource.
 _SHARE = 0.5
 
@@ -74,6 +80,9 @@ class ClusterSpec:
     cpus_per_bundle: float = 0.0       # extra CPUs reserved per GPU/NPU bundle (split between its two actors)
     pg_timeout_s: float = 30.0         # how long to wait for the placement group before giving up
     dist_timeout_s: float = 300.0      # torch.distributed timeout (init and every collective)
+    train_strategy: str = "ddp"        # ddp (replicated student) | fsdp2 (sharded parameters + optimizer state)
+    rollout: bool = True               # start rollout instances (False: the driver samples, trainers only)
+    logprob_impl: str = "chunked"      # train.logprob_impl inside the trainers' update
 
     @property
     def compute_device(self) -> str:
@@ -87,12 +96,12 @@ class ClusterSpec:
 
     @property
     def num_instances(self) -> int:
-        """Rollout instances: one per `tp` training workers."""
-        return self.num_workers // self.tp
+        """Rollout instances: one per `tp` training workers (none with `rollout=False`)."""
+        return self.num_workers // self.tp if self.rollout else 0
 
     def rollout_bundles(self) -> list[int]:
         """Bundle index of each rollout instance (stride `tp`)."""
-        return list(range(0, self.num_workers, self.tp))
+        return list(range(0, self.num_workers, self.tp)) if self.rollout else []
 
     def validate(self) -> "ClusterSpec":
         """One-line `ClusterError` for input no cluster can satisfy; returns self."""
@@ -127,6 +136,9 @@ class ClusterSpec:
                                "STRICT_SPREAD")
         if self.num_threads < 1:
             raise ClusterError(f"cluster.num_threads={self.num_threads} must be >= 1")
+        if self.train_strategy not in TRAIN_STRATEGIES:
+            raise ClusterError(f"cluster.train_strategy='{self.train_strategy}' is not one of "
+                               f"{', '.join(TRAIN_STRATEGIES)}")
         return self
 
 
@@ -157,7 +169,8 @@ def init_ray(num_cpus: int | None = None, resources: Mapping[str, float] | None 
     if tmp_dir is not None:
         os.makedirs(tmp_dir, exist_ok=True)
         kwargs.setdefault("_temp_dir", os.path.abspath(tmp_dir))
-    kwargs.setdefault("include_dashboard", False)
+    if not kwargs.get("address"):  # joining a cluster: its own `ray start` settings hold
+        kwargs.setdefault("include_dashboard", False)
     npu_log = logging.getLogger("ray._private.accelerators.npu")
     level = npu_log.level
     if resources and "NPU" in resources:
@@ -239,10 +252,13 @@ def _actor_options(spec: ClusterSpec, pg, bundle: int, name: str) -> dict[str, A
     return opts
 
 
-def _gather(refs: Sequence[Any], timeout_s: float, what: str) -> list[Any]:
+def _gather(refs: Sequence[Any], timeout_s: float, what: str, names: Sequence[str] | None = None) -> list[Any]:
     """`ray.get` that fails fast: the first worker error is raised at once (its peers may be blocked in a
-    collective that will never complete — `WorkerGroup.stop` kills them), and a deadline ends the wait."""
+    collective that will never complete — `WorkerGroup.stop` kills them), and a deadline ends the wait. A worker
+    that died (killed, out of memory, its node lost) becomes a `WorkerLostError` naming it (`names[i]` for
+    `refs[i]`); an exception raised inside a worker keeps its type and traceback."""
     import ray
+    from ray.exceptions import RayActorError
 
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
@@ -251,7 +267,15 @@ def _gather(refs: Sequence[Any], timeout_s: float, what: str) -> list[Any]:
         if not ready:
             raise WorkerLostError(f"{what} did not finish within {timeout_s:g}s (a worker is stuck or gone); "
                                   "stop the group and check the worker logs")
-        ray.get(ready[0])
+        try:
+            ray.get(ready[0])
+        except RayActorError as e:
+            if getattr(e, "actor_init_failed", False):  # its constructor raised: that error, as it is
+                raise
+            i = list(refs).index(ready[0])
+            who = names[i] if names else f"worker {i}"
+            raise WorkerLostError(f"{what}: Ray worker {who} died ({type(e).__name__}) — the stage stops here; "
+                                  "its last checkpoint is intact, run it again to resume") from e
     return ray.get(list(refs))
 
 
@@ -312,7 +336,7 @@ class _Worker:
                                 world_size=self.world, timeout=timedelta(seconds=self.spec.dist_timeout_s))
         n = self.spec.num_workers
         self.train_group = dist.new_group(list(range(n)))
-        self.weight_group = dist.new_group([0] + list(range(n, self.world)))
+        self.weight_group = dist.new_group([0] + list(range(n, self.world))) if self.spec.num_instances else None
 
     def info(self) -> dict[str, Any]:
         """Where this worker runs: pid, rank, device, backend, the visible-devices variable Ray/we set."""
@@ -335,11 +359,11 @@ class _Worker:
 
 
 class TrainWorker(_Worker):
-    """One data-parallel rank: the student wrapped in DDP over the train group, AdamW + the loop's schedule,
+    """One data-parallel rank: the student under DDP or FSDP2 over the train group, AdamW + the loop's schedule,
     updated by the on-policy loop's own `policy_update` on this rank's rows of a batch."""
 
     def __init__(self, rank: int, spec: ClusterSpec, model_path: str, loop_cfg: Mapping[str, Any]) -> None:
-        """Load the student onto this worker's device (DDP comes in `setup`, once the world exists)."""
+        """Load the student onto this worker's device (DDP/FSDP2 come in `setup`, once the world exists)."""
         super().__init__(rank, spec, model_path)
         from ..config import PolicyLoopConfig
         from ..models import load_model
@@ -348,26 +372,66 @@ class TrainWorker(_Worker):
         self.model = load_model(model_path, self.device, spec.dtype)
         self.model.train()
         self.ddp = self.opt = self.sched = None
+        self.fsdp = spec.train_strategy == "fsdp2"
 
-    def setup(self, addr: str, port: int) -> dict[str, Any]:
-        """Join the world, wrap the student in DDP (rank 0's weights broadcast to all), build the optimizer."""
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
+    def setup(self, addr: str, port: int, resume: str | None = None,
+              scheduler_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Join the world, wrap the student (DDP: rank 0's weights broadcast to all; FSDP2: every rank keeps its
+        shard of the same loaded weights), build the optimizer; `resume`: a checkpoint's sharded optimizer
+        state (`save_sharded`), any number of ranks ago — torch.distributed.checkpoint reshards it."""
         from ..train.loop import lr_lambda
 
         self._init_dist(addr, port)
-        ids = None if self.device.type == "cpu" else [self.device.index or 0]
-        self.ddp = DDP(self.model, device_ids=ids, process_group=self.train_group)
+        if self.fsdp:
+            self._fully_shard()
+            self.ddp = self.model  # FSDP2 changes the module in place: the loop calls it like the plain model
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = None if self.device.type == "cpu" else [self.device.index or 0]
+            self.ddp = DDP(self.model, device_ids=ids, process_group=self.train_group)
         c = self.cfg
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=c.lr, betas=tuple(c.betas),
                                      weight_decay=c.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(c.warmup_steps))
-        return self.info()
+        if resume is not None:
+            self._load_optimizer(resume)
+        if scheduler_state:
+            self.sched.load_state_dict(dict(scheduler_state))
+        return {**self.info(), **self.shard_bytes()}
+
+    def _fully_shard(self) -> None:
+        """FSDP2 as TRL/accelerate apply it to transformers models: one `fully_shard` unit per decoder layer
+        (the classes `_no_split_modules` names; the whole model when it names none), then the root, which holds
+        the embeddings, the final norm and lm_head. The chunked log-probs read lm_head's weight after the root's
+        forward (`models.last_hidden_state` runs the whole model under FSDP), where the root keeps it unsharded
+        until backward, so its gradient is reduce-scattered with the rest."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(self.train_group, self.device.type)
+        units = set(getattr(self.model, "_no_split_modules", None) or ())
+        for mod in list(self.model.modules()):
+            if type(mod).__name__ in units:
+                fully_shard(mod, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of the student's parameters and of the optimizer state (FSDP2: its shards)."""
+        def local(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = sum(local(p) for p in self.model.parameters())
+        optim = sum(local(v) for st in (self.opt.state.values() if self.opt is not None else ())
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"param_bytes": params, "optim_bytes": optim}
 
     def train_step(self, payload: Mapping[str, Any], temperature: float, seed: int) -> dict[str, float]:
         """Update on rows `rank::world` of the batch. Each rank's token weights are scaled by
-        `world · n_local / n_global`, so DDP's gradient mean equals the gradient of the token-mean loss over the
-        whole batch (with `minibatches=1`, the single-process update up to float summation order)."""
+        `world · n_local / n_global`, so the ranks' gradient mean (DDP all-reduce, FSDP2 reduce-scatter) equals the
+        gradient of the token-mean loss over the whole batch (with `minibatches=1`, the single-process update up
+        to float summation order)."""
         from ..train.loop import policy_update
 
         t0 = time.perf_counter()
@@ -382,18 +446,56 @@ class TrainWorker(_Worker):
         if tw_user is not None:
             tw = tw * tw_user[rows].to(self.device)
         upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
-                            self.cfg, temperature, random.Random(f"{seed}/{self.rank}"))
-        # every backward all-reduces the full gradient once (payload per rank, before gloo/nccl's own traffic)
+                            self.cfg, temperature, random.Random(f"{seed}/{self.rank}"), self.spec.logprob_impl)
+        # every backward moves the full gradient once (DDP all-reduce; FSDP2 reduce-scatter, plus the forward's
+        # parameter all-gathers): the payload per rank, before gloo/nccl's own traffic
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         mbs = [len(rows[i::self.cfg.minibatches]) for i in range(self.cfg.minibatches)]
         backwards = sum(-(-m // (self.cfg.micro_batch_size or max(m, 1))) for m in mbs if m)
         upd.update({"rows": len(rows), "tokens": n_local, "seconds": time.perf_counter() - t0,
-                    "allreduce_bytes": backwards * grad_bytes, "lr": self.sched.get_last_lr()[0]})
+                    "allreduce_bytes": backwards * grad_bytes, "lr": self.sched.get_last_lr()[0],
+                    **self.shard_bytes()})
         return upd
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The student's weights on CPU (for checkpoints and reference checks)."""
+        """The student's full weights on CPU (for the driver's rollout, checkpoints and reference checks). Under
+        FSDP2 this gathers the shards — a collective: call it on every rank; rank 0 returns them, the others {}."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                             cpu_offload=True))
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def digest(self) -> str:
+        """Digest of this worker's full weights (FSDP2: gathered, so every rank must be asked at once)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            return _state_digest(full)
+        return super().digest()
+
+    def save_sharded(self, path: str) -> dict[str, Any]:
+        """Write this rank's share of the optimizer state under `path` (torch.distributed.checkpoint: one file
+        per rank + metadata; a collective over the train group). The weights are not in it: the driver saves
+        them whole (`save_pretrained`), which is what the next stage and a resume load. Returns the scheduler
+        state (the same on every rank) for the loop's own checkpoint record."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(self.ddp, self.opt)}, checkpoint_id=path,
+                 process_group=self.train_group)
+        return {"scheduler": self.sched.state_dict(), **self.shard_bytes()}
+
+    def _load_optimizer(self, path: str) -> None:
+        """The optimizer state of `save_sharded`, resharded onto this group's layout."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.ddp, self.opt)}  # the template: this rank's layout
+        dcp.load(state, checkpoint_id=path, process_group=self.train_group)
+        set_optimizer_state_dict(self.ddp, self.opt, optim_state_dict=state["optimizer"])
 
     def send_weights(self, transport: str) -> dict[str, Any]:
         """Pack the state dict into buckets and send it. `collective`: broadcast over the weights group (the
@@ -511,9 +613,11 @@ class WorkerGroup:
         self._step = 0
 
     # -- lifecycle
-    def start(self) -> "WorkerGroup":
-        """Placement group → actors on their bundles → one torch.distributed world. On any failure everything
-        started so far is torn down before the error propagates."""
+    def start(self, resume: str | os.PathLike | None = None,
+              scheduler_state: Mapping[str, Any] | None = None) -> "WorkerGroup":
+        """Placement group → actors on their bundles → one torch.distributed world. `resume`: the sharded
+        optimizer state a `save_sharded` wrote (the weights come from `model_path`), `scheduler_state` the lr
+        schedule's. On any failure everything started so far is torn down before the error propagates."""
         import ray
 
         if self.pg is not None:
@@ -532,9 +636,12 @@ class WorkerGroup:
             for i, b in enumerate(s.rollout_bundles()):
                 self.rollouts.append(R.options(**_actor_options(s, self.pg, b, self.actor_name("rollout", i)))
                                      .remote(s.num_workers + i, i, s, self.model_path, self.max_prompt_tokens))
-            addr, port = _gather([self.trainers[0].address.remote()], s.dist_timeout_s, "worker start-up")[0]
-            self.worker_info = _gather([a.setup.remote(addr, port) for a in self.actors],
-                                       s.dist_timeout_s + 60, "process-group set-up")
+            addr, port = _gather([self.trainers[0].address.remote()], s.dist_timeout_s, "worker start-up",
+                                 self.names[:1])[0]
+            res = str(resume) if resume is not None else None
+            self.worker_info = _gather([a.setup.remote(addr, port, res, scheduler_state) for a in self.trainers]
+                                       + [a.setup.remote(addr, port) for a in self.rollouts],
+                                       s.dist_timeout_s + 60, "process-group set-up", self.names)
         except BaseException:
             self.stop()
             raise
@@ -548,6 +655,12 @@ class WorkerGroup:
     def actors(self) -> list[Any]:
         """All actors: trainers in rank order, then rollout instances."""
         return self.trainers + self.rollouts
+
+    @property
+    def names(self) -> list[str]:
+        """The Ray names of `actors`, in the same order (what errors about a worker name)."""
+        return ([self.actor_name("train", r) for r in range(len(self.trainers))]
+                + [self.actor_name("rollout", i) for i in range(len(self.rollouts))])
 
     def stop(self) -> None:
         """Kill every actor and remove the placement group. Idempotent; never raises. Killing (not a polite
@@ -611,14 +724,16 @@ class WorkerGroup:
                        "token_weights": token_weights.detach().cpu() if token_weights is not None else None})
         t0 = time.perf_counter()
         outs = _gather([w.train_step.remote(ref, temperature, seed + self._step) for w in self.trainers],
-                       self.spec.dist_timeout_s, "train_step")
+                       self.spec.dist_timeout_s, "train_step", self.names)
         self._step += 1
         ntok = [o["tokens"] for o in outs]
         tot = sum(ntok) or 1.0
         res = {"loss": sum(o["loss"] for o in outs) / W,  # ranks' losses are pre-scaled: their mean is global
                "grad_norm": outs[0]["grad_norm"], "lr": outs[0]["lr"], "tokens": sum(ntok),
                "seconds": time.perf_counter() - t0, "worker_seconds": max(o["seconds"] for o in outs),
-               "allreduce_bytes": outs[0]["allreduce_bytes"]}
+               "allreduce_bytes": outs[0]["allreduce_bytes"],
+               "param_bytes_per_rank": max(o["param_bytes"] for o in outs),
+               "optim_bytes_per_rank": max(o["optim_bytes"] for o in outs)}
         for k in ("entropy", "clip_frac", "approx_kl", "ratio_mean"):
             res[k] = sum(o.get(k, 0.0) * n for o, n in zip(outs, ntok)) / tot
         return res
@@ -627,6 +742,9 @@ class WorkerGroup:
         """Hand training weights to every rollout instance through `spec.hand_over`. Returns seconds, bytes
         sent/received, messages (transport calls or handles) and buckets, plus each side's raw report."""
         self._need_started()
+        if not self.rollouts:
+            raise ClusterError("sync_weights: this group has no rollout instances (cluster.rollout=False); read "
+                               "the weights with state_dict()")
         tr, T = self.spec.hand_over, self.spec.dist_timeout_s
         t0 = time.perf_counter()
         if tr == "collective":  # sender and receivers must be inside the broadcast at the same time
@@ -658,6 +776,8 @@ class WorkerGroup:
         from ..rollout import concat_batches
 
         self._need_started()
+        if not self.rollouts:
+            raise ClusterError("generate: this group has no rollout instances (cluster.rollout=False)")
         exs = [Prompt(e) if isinstance(e, str) else e for e in examples]
         if not exs:
             raise ClusterError("generate() got no examples; pass at least one prompt")
@@ -685,14 +805,27 @@ class WorkerGroup:
 
     # -- inspection
     def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
-        """Training rank `rank`'s weights, on CPU."""
+        """Training rank `rank`'s weights, on CPU (FSDP2: the shards gathered by every rank, rank 0's copy)."""
         self._need_started()
-        return _gather([self.trainers[rank].state_dict.remote()], self.spec.dist_timeout_s, "state_dict")[0]
+        if self.spec.train_strategy == "fsdp2":
+            return _gather([w.state_dict.remote() for w in self.trainers], self.spec.dist_timeout_s, "state_dict",
+                           self.names)[0]
+        return _gather([self.trainers[rank].state_dict.remote()], self.spec.dist_timeout_s, "state_dict",
+                       self.names[rank:rank + 1])[0]
+
+    def save_sharded(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Every rank writes its optimizer shard under `path` (torch.distributed.checkpoint); returns the lr
+        scheduler's state and the bytes per rank. The weights are the caller's to save (whole)."""
+        self._need_started()
+        outs = _gather([w.save_sharded.remote(str(path)) for w in self.trainers], self.spec.dist_timeout_s,
+                       "save_sharded", self.names)
+        return {"scheduler": outs[0]["scheduler"], "param_bytes_per_rank": max(o["param_bytes"] for o in outs),
+                "optim_bytes_per_rank": max(o["optim_bytes"] for o in outs)}
 
     def digests(self) -> dict[str, list[str]]:
         """Weight digests of every trainer and rollout instance (equal digests ⇔ bit-identical weights)."""
         self._need_started()
-        d = _gather([a.digest.remote() for a in self.actors], self.spec.dist_timeout_s, "digests")
+        d = _gather([a.digest.remote() for a in self.actors], self.spec.dist_timeout_s, "digests", self.names)
         n = len(self.trainers)
         return {"train": d[:n], "rollout": d[n:]}
 

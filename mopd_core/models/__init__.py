@@ -241,12 +241,22 @@ def unwrap(model):
 def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
     """The backbone's final (normed) hidden states `[B,L,H]` — what `lm_head` projects — without projecting them,
     so a chunked scorer projects only the positions it needs (TRL's fused forward calls the backbone the same way).
-    A wrapper (DDP) must see the forward to sync gradients: it runs the whole model with one logit position kept
-    and the last entry of `hidden_states`."""
+    A wrapper (DDP) must see the forward to sync gradients, and an FSDP2 root gathers the embeddings, final norm and
+    lm_head only in its own forward: both run the whole model with one logit position kept and the last entry of
+    `hidden_states`."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if unwrap(model) is model:
+    if unwrap(model) is model and not is_fsdp(model):
         return model.base_model(**kw).last_hidden_state
     return model(**kw, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+
+
+def is_fsdp(model) -> bool:
+    """Whether `model` was sharded in place by torch FSDP2 (`fully_shard`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def logit_transform(model) -> tuple[float | None, float]:

@@ -41,8 +41,9 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(tensor_bytes(st.values()) for st in opt.state.values())
+def optimizer_bytes(opt: torch.optim.Optimizer | None) -> int:
+    """Bytes of an optimizer's state in this process (0 without one: the update runs on workers)."""
+    return sum(tensor_bytes(st.values()) for st in opt.state.values()) if opt is not None else 0
 
 
 def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
@@ -54,15 +55,19 @@ def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
 
 
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
-                        teacher_bytes: dict[str, int], teachers_offload: bool, placement: str) -> dict[str, float]:
-    """Pre-flight (before any compute): the largest phase must fit the budget. Returns the phase needs (MiB).
+                        teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
+                        driver_copy: bool = False) -> dict[str, float]:
+    """Pre-flight (before any compute): the largest phase must fit the budget of one device (one rank). Returns
+    the phase needs (MiB).
 
-    train = weights + gradients + optimizer state (AdamW: 2 moments → factor 2). Colocated, the optimizer state
-    and gradients are offloaded after training, so rollout holds the weights and score the weights + one teacher;
+    train = weights + gradients + optimizer state (AdamW: 2 moments → factor 2), divided by `shards` under FSDP2
+    (each rank holds 1/N of all three; DDP replicates them: shards=1). Colocated, the optimizer state and
+    gradients are offloaded after training, so rollout holds the weights and score the weights + one teacher;
     disaggregated, every phase keeps the training state. `teachers.offload: false` keeps every teacher resident
-    in every phase."""
+    in every phase. `driver_copy`: the update runs on workers and the sampling process keeps its own whole copy
+    of the weights on device 0, beside rank 0's training state."""
     w = student_bytes / MB
-    trainer = w * (2 + optimizer_factor)
+    trainer = w * (2 + optimizer_factor) / shards + (w if driver_copy else 0.0)
     held = w if placement == "colocated" else trainer  # what rollout/score hold of the student
     tb = {n: b / MB for n, b in teacher_bytes.items()}
     always = 0.0 if teachers_offload else sum(tb.values())
@@ -76,6 +81,12 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
         phase = max(need, key=need.get)
         if need[phase] > budget:
             n_t = len(teacher_bytes)
+            if phase == "train" and trainer > budget:  # the training state alone does not fit: shard it
+                raise ColocationError(
+                    f"runtime.placement={placement}: phase 'train' needs {need[phase] / 1024:.3g} GiB per device "
+                    f"(weights + gradients + AdamW state{f' over {shards} shards' if shards > 1 else ''}) but the "
+                    f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) — shard it: "
+                    f"runtime.strategy=fsdp2 with more runtime.num_workers, or a smaller model/dtype")
             raise ColocationError(
                 f"runtime.placement={placement}: phase '{phase}' needs {need[phase] / 1024:.3g} GiB but the "
                 f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) with {n_t} teacher(s)"
@@ -190,13 +201,14 @@ class PhaseScheduler:
             self._record("train", "updated")  # the phase's peak: weights + gradients + optimizer state
             if self.colocated:  # the next phases need neither: give the memory to the rollout engine/teachers
                 self.model.zero_grad(set_to_none=True)
-                devlib.offload_optimizer(self.opt, "cpu")
-                self.opt_on_device = False
+                if self.opt is not None:  # None: the optimizer lives on the training workers
+                    devlib.offload_optimizer(self.opt, "cpu")
+                    self.opt_on_device = False
                 devlib.empty_cache(self.kind)
 
     def restore(self) -> None:
         """Put the optimizer state back on the device (before checkpointing or at the end of the stage)."""
-        if not self.opt_on_device:
+        if not self.opt_on_device and self.opt is not None:
             devlib.offload_optimizer(self.opt, self.device)
             self.opt_on_device = True
 

@@ -129,18 +129,21 @@ def last_checkpoint_step(stage_dir: str | Path) -> int:
 
 
 def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None = None,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, sharded=None) -> Path:
     """Write `checkpoints/step-N` whole into a temp dir, then rename it into place: a crash or a full disk
     (`DiskFullError`) leaves only the temp dir, removed, and every earlier checkpoint and final/ untouched. The
-    oldest checkpoints beyond `keep` are deleted only after the new one is complete."""
+    oldest checkpoints beyond `keep` are deleted only after the new one is complete. `sharded(tmp_dir) -> dict`:
+    the optimizer lives on workers (`optimizer` is None) — they write their shards into the temp dir, and the
+    dict it returns (the scheduler's state) goes into `loop_state.pt`."""
     root = Path(stage_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     with writing(tmp, f"checkpoint {final}"):
         save_pretrained(model, tokenizer, tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        remote = sharded(tmp) if sharded is not None else {}
+        torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else remote.get("scheduler"),
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "extra": extra or {}},
                    tmp / "loop_state.pt")
     if final.exists():

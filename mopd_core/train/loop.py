@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -57,6 +57,33 @@ class LoopResult:
     stage_dir: Path | None = None
 
 
+class PolicyTrainer(Protocol):
+    """The loop's update run elsewhere — `runtime.strategy` ddp/fsdp2 on Ray workers
+    (`distributed.trainer.RayPolicyTrainer`, built by the stage functions one layer up). The loop keeps sampling,
+    scoring, advantages, metrics and checkpoints; the trainer holds the trained weights and the optimizer."""
+
+    def start(self, model_dir: str | Path, resume: str | Path | None = None,
+              scheduler_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Load `model_dir` (+ a checkpoint's sharded optimizer state) on the workers."""
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, token_weights: torch.Tensor | None, *,
+               temperature: float, seed: int) -> dict[str, float]:
+        """`policy_update` of the whole batch; its metrics (loss, grad_norm, entropy, clip_frac, approx_kl, lr…)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights, whole, on CPU (the driver's rollout engine samples from them)."""
+
+    def save(self, path: str | Path) -> dict[str, Any]:
+        """Write the optimizer state (sharded) under `path`; returns `{"scheduler": state, …}`."""
+
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+
+
+# What a checkpoint of a stage trained by a `PolicyTrainer` holds beside model/ (torch.distributed.checkpoint).
+SHARDED_OPTIMIZER = "optimizer"
+
+
 def _section(loop_cfg: PolicyLoopConfig) -> str:
     from ..config import MOPDConfig
 
@@ -73,6 +100,22 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
     if loop_cfg.w_kd == 0 and loop_cfg.w_rl == 0:
         raise ConfigError(f"{stage}: {sec}.w_rl and {sec}.w_kd are both 0 — nothing to learn from; set one > 0")
     recipe.mix_weights(loop_cfg, sec, names)
+    rt = recipe.runtime
+    if rt.strategy != "single":
+        fix = "or set runtime.strategy=single"
+        if has_teachers and loop_cfg.w_kd > 0 and loop_cfg.kd_loss == "jsd":
+            raise ConfigError(f"{stage}: {sec}.kd_loss=jsd needs the teachers' top-k inside the update, which the "
+                              f"runtime.strategy={rt.strategy} workers do not receive; use {sec}.kd_loss=sampled_rkl "
+                              + fix)
+        rows = loop_cfg.prompts_per_step * loop_cfg.group_size
+        if rows % rt.num_workers:
+            raise ConfigError(f"{stage}: {sec}.prompts_per_step × group_size = {rows} rows do not split evenly over "
+                              f"runtime.num_workers={rt.num_workers} (every rank must run as many backward passes); "
+                              f"make it a multiple of {rt.num_workers}")
+        if recipe.train.max_tokens_per_micro_batch is not None:
+            raise ConfigError(f"{stage}: train.max_tokens_per_micro_batch gives ranks unequal numbers of "
+                              f"micro-batches, which runtime.strategy={rt.strategy} cannot synchronise; unset it "
+                              f"(use {sec}.micro_batch_size) " + fix)
 
 
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
@@ -100,9 +143,11 @@ def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[s
 def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
                     domains: Mapping[str, object], eval_domains: Mapping[str, object], stage_dir: str | Path,
                     fingerprint: str, teachers=None, on_step: Callable[[int, dict], None] | None = None,
-                    progress: bool = True) -> LoopResult:
+                    progress: bool = True, trainer: PolicyTrainer | None = None) -> LoopResult:
     """Run (or resume, or reuse) one on-policy stage. `domains` are the prompt sources of training,
-    `eval_domains` those reported at eval time; `teachers` a TeacherRouter (None for expert RL)."""
+    `eval_domains` those reported at eval time; `teachers` a TeacherRouter (None for expert RL); `trainer` runs
+    the update elsewhere (many devices; this process keeps a copy of the weights for rollout and eval). The loop
+    closes the trainer when it ends."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
     if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
@@ -133,149 +178,190 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         start = load_loop_state(ckpts[-1])["step"]
     model = load_model(model_src, device, recipe.runtime.dtype)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
-                            weight_decay=loop_cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop_cfg.warmup_steps))
-    if ckpts:
-        st = load_loop_state(ckpts[-1])
-        opt.load_state_dict(st["optimizer"])
-        if st.get("scheduler"):
-            sched.load_state_dict(st["scheduler"])
-    engine = build_rollout(recipe, model, tokenizer, device)
+    opt = sched = None
+    st = load_loop_state(ckpts[-1]) if ckpts else {}
+    if trainer is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
+                                weight_decay=loop_cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop_cfg.warmup_steps))
+        if ckpts:
+            if st.get("optimizer") is None:
+                raise StageStateError(f"{ckpts[-1]} holds a sharded optimizer state (trained with "
+                                      "runtime.strategy ddp/fsdp2); resume it with runtime.strategy ddp or fsdp2")
+            opt.load_state_dict(st["optimizer"])
+            if st.get("scheduler"):
+                sched.load_state_dict(st["scheduler"])
+    elif ckpts and st.get("optimizer") is not None:
+        raise StageStateError(f"{ckpts[-1]} was trained in one process (runtime.strategy=single); resume it with "
+                              "runtime.strategy=single, or restart the stage (`--restart`)")
     in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
                   if t.in_process}
-    check_colocated_fit(kind=dinfo.kind, limit_gib=recipe.runtime.memory_limit_gib,
+    rt = recipe.runtime
+    check_colocated_fit(kind=dinfo.kind, limit_gib=rt.memory_limit_gib,
                         student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-                        optimizer_factor=2.0, teacher_bytes=in_process,
-                        teachers_offload=recipe.teachers.offload, placement=recipe.runtime.placement)
-    phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt, engine=engine, teachers=teachers,
-                            placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
-    metrics_path = stage_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
-    _truncate_metrics(phases.events_path, start)
-    eval_cfg = recipe.eval
-    max_new = recipe.rollout.max_new_tokens
-    eval_new = eval_cfg.max_new_tokens or max_new
-    history: list[dict] = []
-    last_eval: dict = {}
-    G = loop_cfg.group_size
-    top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
-
-    bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
+                        optimizer_factor=2.0, teacher_bytes=in_process, teachers_offload=recipe.teachers.offload,
+                        placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
+                        driver_copy=trainer is not None)
     try:
-        for step in range(start, loop_cfg.steps):
-            t_step = time.perf_counter()
-            rng = random.Random(f"{recipe.seed}/{stage}/{step}")
-            prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
-            examples = [e for e in prompts for _ in range(G)]
-            gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
-            phases.begin_step(step + 1)
+        if trainer is not None:
+            desc = trainer.start(ckpts[-1] / "model" if ckpts else init_path,
+                                 resume=ckpts[-1] / SHARDED_OPTIMIZER if ckpts else None,
+                                 scheduler_state=st.get("scheduler"))
+            rec = read_stage(stage_dir) or {}
+            rec["distributed"] = desc  # where the workers ran (node, pid, device, bytes per rank)
+            write_stage(stage_dir, rec)
+        engine = build_rollout(recipe, model, tokenizer, device)
+        phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt, engine=engine, teachers=teachers,
+                                placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
+        metrics_path = stage_dir / "metrics.jsonl"
+        _truncate_metrics(metrics_path, start)
+        _truncate_metrics(phases.events_path, start)
+        eval_cfg = recipe.eval
+        max_new = recipe.rollout.max_new_tokens
+        eval_new = eval_cfg.max_new_tokens or max_new
+        history: list[dict] = []
+        last_eval: dict = {}
+        G = loop_cfg.group_size
+        top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
 
-            t0 = time.perf_counter()
-            with phases.rollout():
-                batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
-                                        top_p=recipe.rollout.top_p, generator=gen,
-                                        batch_size=recipe.rollout.batch_size)
-            t_roll = time.perf_counter() - t0
-            rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
-            mask = batch.completion_mask.float()
+        bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
+        try:
+            for step in range(start, loop_cfg.steps):
+                t_step = time.perf_counter()
+                rng = random.Random(f"{recipe.seed}/{stage}/{step}")
+                prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
+                examples = [e for e in prompts for _ in range(G)]
+                gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
+                phases.begin_step(step + 1)
 
-            t0 = time.perf_counter()
-            stats_before = teachers.stats() if teachers is not None else {}
-            routed = teachers.score(batch, top_k=top_k, visit=phases.teacher) if teachers is not None else None
-            t_score = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                with phases.rollout():
+                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
+                                            top_p=recipe.rollout.top_p, generator=gen,
+                                            batch_size=recipe.rollout.batch_size)
+                t_roll = time.perf_counter() - t0
+                rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
+                mask = batch.completion_mask.float()
 
-            adv = torch.zeros_like(mask)
-            m: dict[str, float] = {}
-            if loop_cfg.w_rl > 0:
-                a_rl = alg.grpo_advantages(rewards, G, scale_by_std=loop_cfg.scale_by_std)
-                adv = adv + loop_cfg.w_rl * a_rl[:, None] * mask
-                m["adv/rl_abs_mean"] = float(a_rl.abs().mean())
-            if routed is not None and loop_cfg.kd_loss == "sampled_rkl":
-                a_kd = alg.reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask, clip=loop_cfg.kd_clip)
-                adv = adv + loop_cfg.w_kd * a_kd
-                m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
-            group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
-            token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
+                t0 = time.perf_counter()
+                stats_before = teachers.stats() if teachers is not None else {}
+                routed = teachers.score(batch, top_k=top_k, visit=phases.teacher) if teachers is not None else None
+                t_score = time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            with phases.train():
-                upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
-                              recipe.rollout.temperature, rng, recipe.train.logprob_impl,
-                              recipe.train.max_tokens_per_micro_batch)
-            t_train = time.perf_counter() - t0
-            if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
-                last = checkpoint_dirs(stage_dir)
-                raise NonFiniteLossError(
-                    f"{stage}: non-finite loss/gradient at step {step + 1} (loss={upd['loss']}, grad_norm="
-                    f"{upd['grad_norm']}); stopped without saving — last good checkpoint: "
-                    f"{last[-1] if last else 'none'} (lower the lr or check the data)")
+                adv = torch.zeros_like(mask)
+                m: dict[str, float] = {}
+                if loop_cfg.w_rl > 0:
+                    a_rl = alg.grpo_advantages(rewards, G, scale_by_std=loop_cfg.scale_by_std)
+                    adv = adv + loop_cfg.w_rl * a_rl[:, None] * mask
+                    m["adv/rl_abs_mean"] = float(a_rl.abs().mean())
+                if routed is not None and loop_cfg.kd_loss == "sampled_rkl":
+                    a_kd = alg.reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask, clip=loop_cfg.kd_clip)
+                    adv = adv + loop_cfg.w_kd * a_kd
+                    m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
+                group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
+                token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
 
-            n_tok = int(mask.sum())
-            doms = [e.teacher_id for e in batch.examples]
-            m.update(_group_stats(rewards, doms, "reward"))
-            m["reward/mean"] = float(rewards.mean())
-            m.update(_group_stats(mask.sum(1), doms, "length"))
-            adv_tok = adv[mask.bool()]
-            m["adv/mean"] = float(adv_tok.mean()) if n_tok else 0.0
-            m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
-            if routed is not None:
-                m.update(_teacher_metrics(routed, batch, mask))
-                m.update(_teacher_stat_deltas(stats_before, teachers.stats()))
-                m["perf/score_s"] = t_score
-                m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
-                                                        else 1) / max(t_score, 1e-9)
-            m.update(upd)
-            dt = time.perf_counter() - t_step
-            seq_tok = n_tok + int(batch.prompt_mask.sum())
-            m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
-                      "perf/tokens_per_s": n_tok / dt, "perf/rollout_tokens_per_s": n_tok / max(t_roll, 1e-9),
-                      "perf/train_tokens_per_s": seq_tok * loop_cfg.minibatches / max(t_train, 1e-9),
-                      "lr": sched.get_last_lr()[0]})
-            m.update(devlib.memory_stats(dinfo.kind))
-            m.update(phases.end_step())
-            if step == start:  # once per run: what each phase holds (MLflow has the series)
-                held = ", ".join(f"{p} {m[f'mem/{p}/resident_mb']:.3g}" for p in ("rollout", "score", "train")
-                                 if f"mem/{p}/resident_mb" in m)
-                measured = ", ".join(f"{k.split('/')[1]} {v:.0f}" for k, v in m.items()
-                                     if k.startswith("mem/") and k.count("/") == 2 and not k.endswith("resident_mb"))
-                log.info("%s: %s memory per phase (MiB held on the device: %s; measured %s)", stage,
-                         recipe.runtime.placement, held, measured)
+                t0 = time.perf_counter()
+                with phases.train():
+                    if trainer is None:
+                        upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
+                                            recipe.rollout.temperature, rng, recipe.train.logprob_impl,
+                                            recipe.train.max_tokens_per_micro_batch)
+                    else:  # the workers update; this copy follows them (the next rollout samples from it)
+                        upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
+                                             seed=rng.getrandbits(31))
+                        with torch.no_grad():
+                            model.load_state_dict(trainer.state_dict())
+                t_train = time.perf_counter() - t0
+                if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
+                    last = checkpoint_dirs(stage_dir)
+                    raise NonFiniteLossError(
+                        f"{stage}: non-finite loss/gradient at step {step + 1} (loss={upd['loss']}, grad_norm="
+                        f"{upd['grad_norm']}); stopped without saving — last good checkpoint: "
+                        f"{last[-1] if last else 'none'} (lower the lr or check the data)")
 
-            done = step + 1
-            if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
-                last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
-                                           recipe.seed, loop_cfg.eval_size)
-                for d, r in last_eval.items():
-                    for k, v in r.items():
-                        m[f"eval/{d}/{k}"] = v
-            row = {"step": done, **m}
-            history.append(row)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if on_step:
-                on_step(done, m)
-            bar.update(done, m)
-            if done % loop_cfg.save_every == 0 and done < loop_cfg.steps:
-                save_checkpoint(stage_dir, done, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
+                n_tok = int(mask.sum())
+                doms = [e.teacher_id for e in batch.examples]
+                m.update(_group_stats(rewards, doms, "reward"))
+                m["reward/mean"] = float(rewards.mean())
+                m.update(_group_stats(mask.sum(1), doms, "length"))
+                adv_tok = adv[mask.bool()]
+                m["adv/mean"] = float(adv_tok.mean()) if n_tok else 0.0
+                m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
+                if routed is not None:
+                    m.update(_teacher_metrics(routed, batch, mask))
+                    m.update(_teacher_stat_deltas(stats_before, teachers.stats()))
+                    m["perf/score_s"] = t_score
+                    m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
+                                                            else 1) / max(t_score, 1e-9)
+                m.update(upd)
+                dt = time.perf_counter() - t_step
+                seq_tok = n_tok + int(batch.prompt_mask.sum())
+                m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
+                          "perf/tokens_per_s": n_tok / dt, "perf/rollout_tokens_per_s": n_tok / max(t_roll, 1e-9),
+                          "perf/train_tokens_per_s": seq_tok * loop_cfg.minibatches / max(t_train, 1e-9),
+                          "lr": sched.get_last_lr()[0] if sched is not None else upd["lr"]})
+                m.update(devlib.memory_stats(dinfo.kind))
+                m.update(phases.end_step())
+                if step == start:  # once per run: what each phase holds (MLflow has the series)
+                    held = ", ".join(f"{p} {m[f'mem/{p}/resident_mb']:.3g}" for p in ("rollout", "score", "train")
+                                     if f"mem/{p}/resident_mb" in m)
+                    measured = ", ".join(f"{k.split('/')[1]} {v:.0f}" for k, v in m.items()
+                                         if k.startswith("mem/") and k.count("/") == 2
+                                         and not k.endswith("resident_mb"))
+                    log.info("%s: %s memory per phase (MiB held on the device: %s; measured %s)", stage,
+                             recipe.runtime.placement, held, measured)
+
+                done = step + 1
+                if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
+                    last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
+                                               recipe.seed, loop_cfg.eval_size)
+                    for d, r in last_eval.items():
+                        for k, v in r.items():
+                            m[f"eval/{d}/{k}"] = v
+                row = {"step": done, **m}
+                history.append(row)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if on_step:
+                    on_step(done, m)
+                bar.update(done, m)
+                if done % loop_cfg.save_every == 0 and done < loop_cfg.steps:
+                    save_checkpoint(stage_dir, done, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints,
+                                    sharded=_sharded_writer(trainer))
+        finally:
+            bar.close()
+            phases.restore()
+            engine.close()  # a vLLM engine releases its device memory; the HF engine has nothing to close
+
+        log.info("%s: %s", stage, phases.summary())
+        last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
+                                   loop_cfg.eval_size)
+        final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
+        # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
+        save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints,
+                        sharded=_sharded_writer(trainer))
+        info = read_stage(stage_dir) or {}
+        info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
+                     "teacher_stats": teachers.stats() if teachers is not None else {},
+                     "placement": {"mode": recipe.runtime.placement,
+                                   "max_teachers_resident": phases.max_teachers_resident}})
+        write_stage(stage_dir, info)
+        return LoopResult(final_dir, last_eval, history, start, stage_dir)
     finally:
-        bar.close()
-        phases.restore()
-        engine.close()  # a vLLM engine releases its device memory; the HF engine has nothing to close
+        if trainer is not None:
+            trainer.close()
 
-    log.info("%s: %s", stage, phases.summary())
-    last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
-                               loop_cfg.eval_size)
-    final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
-    # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
-    save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints)
-    info = read_stage(stage_dir) or {}
-    info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
-                 "teacher_stats": teachers.stats() if teachers is not None else {},
-                 "placement": {"mode": recipe.runtime.placement,
-                               "max_teachers_resident": phases.max_teachers_resident}})
-    write_stage(stage_dir, info)
-    return LoopResult(final_dir, last_eval, history, start, stage_dir)
+
+def _sharded_writer(trainer: PolicyTrainer | None):
+    """What `save_checkpoint` calls with its temp dir when a trainer holds the optimizer: the workers write their
+    shards there (inside the same atomic rename as model/), the scheduler state goes into the loop's record."""
+    if trainer is None:
+        return None
+
+    def write(tmp: Path) -> dict:
+        return {"scheduler": trainer.save(tmp / SHARDED_OPTIMIZER)["scheduler"]}
+    return write
 
 
 def _rewards(domains, batch: RolloutBatch) -> list[float]:
@@ -375,6 +461,7 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
                 agg[k] += met.get(k, 0.0) * share / len(mbs)
             agg["loss"] += float(total.detach()) / len(mbs)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # FSDP2: a DTensor (already reduced)
         agg["grad_norm"] += float(gn) / len(mbs)
         agg["perf/pad_frac"] = 1.0 - real / max(computed, 1)
         agg["perf/micro_batches"] += float(len(micros))

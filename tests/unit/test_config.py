@@ -57,6 +57,8 @@ def test_dotted_overrides_apply_with_yaml_types():
     (["mopd.mix={chemistry: 1}"], "unknown domain 'chemistry'"),
     (["data.domains.bio.weight=1"], "no list item 'bio'"),
     (["mopd.steps"], "key.path=value"),
+    (["runtime.num_workers=2"], "runtime.num_workers=2 needs runtime.strategy=ddp or fsdp2"),
+    (["runtime.strategy=zero3"], "runtime.strategy"),
 ])
 def test_bad_config_is_one_line_naming_the_field(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -84,3 +86,19 @@ def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
     assert stage_fingerprint(a.mopd) != stage_fingerprint(b.mopd)
     assert stage_fingerprint(a.sft) == stage_fingerprint(b.sft)
     assert flatten({"x": {"y": 1, "z": {"w": 2}}}) == {"x.y": 1, "x.z.w": 2}
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["mopd.kd_loss=jsd"], "mopd.kd_loss=jsd needs the teachers' top-k inside the update"),
+    (["mopd.prompts_per_step=3", "mopd.group_size=1"], "3 rows do not split evenly over runtime.num_workers=2"),
+    (["train.max_tokens_per_micro_batch=512"], "train.max_tokens_per_micro_batch gives ranks unequal numbers"),
+])
+def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, needle):
+    """Checked by the loop's pre-flight (no worker started): one line naming the field and the fix."""
+    from mopd_core.train.loop import check_loop_config
+
+    cfg = load_config("tiny", ["runtime.num_workers=2", "runtime.strategy=fsdp2", *overrides])
+    with pytest.raises(ConfigError) as e:
+        check_loop_config("student", cfg.mopd, cfg, cfg.domain_names(), has_teachers=True)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    check_loop_config("student", cfg.mopd, load_config("tiny"), cfg.domain_names(), has_teachers=True)  # single

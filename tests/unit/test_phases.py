@@ -32,3 +32,17 @@ def test_over_budget_names_phase_and_fix():
     msg = str(e.value)
     assert "phase 'train' needs 0.586 GiB" in msg and "budget is 0.439 GiB" in msg and "2 teacher(s) all " \
         "resident (teachers.offload=false)" in msg and "\n" not in msg
+
+
+def test_fsdp2_shards_the_training_state_and_the_error_says_so():
+    """Per rank under FSDP2: (weights + grads + AdamW) / N, plus the driver's copy of the weights for rollout."""
+    kw = dict(kind="cpu", student_bytes=100 * MB, optimizer_factor=2.0, teacher_bytes={}, teachers_offload=True,
+              placement="colocated")
+    assert check_colocated_fit(limit_gib=None, shards=4, driver_copy=True, **kw)["train"] == 100 + 100
+    assert check_colocated_fit(limit_gib=None, shards=1, **kw)["train"] == 400
+    check_colocated_fit(limit_gib=250 / 1024, shards=4, driver_copy=True, **kw)  # fits sharded
+    with pytest.raises(ColocationError) as e:
+        check_colocated_fit(limit_gib=250 / 1024, shards=1, **kw)
+    msg = str(e.value)
+    assert "phase 'train' needs 0.391 GiB per device" in msg and "runtime.strategy=fsdp2" in msg
+    assert "\n" not in msg

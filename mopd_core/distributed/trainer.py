@@ -1,0 +1,117 @@
+"""The on-policy loop's update on many devices: `runtime.num_workers` Ray training workers (one per device) under
+torch DDP or FSDP2 (`runtime.strategy`), driven by `train.loop.run_policy_loop` through its `PolicyTrainer`
+interface.
+
+The loop itself stays in the driver: it samples with its rollout engine from the weights the workers hand back
+after every update (gathered whole: FSDP2's `get_model_state_dict(full_state_dict=True)`), scores with the
+teachers, computes the advantages, and sends the batch + advantages to the workers, which split the rows
+`rank::N` and run the loop's own `policy_update` (token weights scaled so the ranks' gradient mean is the whole
+batch's token-mean gradient: the same update as one process, up to float summation order). Checkpoints: the
+driver writes the whole model (`save_pretrained`, what the next stage loads) and every rank its optimizer shard
+(`torch.distributed.checkpoint`, resharded on load, so a run may resume on another number of workers).
+
+Ray: joins `runtime.ray_address` when set (an existing cluster: `ray start --head` …), else starts a local one
+for the stage and shuts it down afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..config import PolicyLoopConfig, RecipeConfig
+from ..runtime import device as devlib
+from .cluster import ClusterSpec, WorkerGroup, init_ray
+
+log = logging.getLogger("mopd")
+
+
+class RayPolicyTrainer:
+    """`train.loop.PolicyTrainer` on a Ray `WorkerGroup` of trainers only (the driver samples)."""
+
+    def __init__(self, recipe: RecipeConfig, loop_cfg: PolicyLoopConfig, stage: str) -> None:
+        rt = recipe.runtime
+        kind = devlib.resolve(rt.device).kind
+        self.stage = stage
+        self.spec = ClusterSpec(num_workers=rt.num_workers, kind=kind, dtype=rt.dtype,
+                                num_threads=rt.num_threads or 1, strategy=rt.ray_placement,
+                                train_strategy=rt.strategy, rollout=False, logprob_impl=recipe.train.logprob_impl,
+                                pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
+        self.loop_cfg = loop_cfg.model_dump(include=set(PolicyLoopConfig.model_fields))  # what the update reads
+        self.address = rt.ray_address
+        self.group: WorkerGroup | None = None
+        self._own_ray = False
+        self._tmp: str | None = None
+
+    def _ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        if self.address:
+            init_ray(address=self.address)
+        else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
+            self._tmp = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
+            res = {"num_cpus": max(self.spec.num_workers, os.cpu_count() or 1)} if self.spec.kind == "cpu" else {}
+            init_ray(tmp_dir=self._tmp, **res)
+        self._own_ray = True
+
+    def start(self, model_dir: str | Path, resume: str | Path | None = None,
+              scheduler_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Start the workers on the weights in `model_dir` (+ a checkpoint's sharded optimizer state)."""
+        self._ray()
+        self.group = WorkerGroup(self.spec, str(model_dir), loop_cfg=self.loop_cfg,
+                                 group_id=f"{self.stage}-{os.getpid()}"[:40])
+        self.group.start(resume=resume, scheduler_state=scheduler_state)
+        w = self.group.worker_info
+        log.info("%s: %d %s workers (%s) on %d node(s): %.3g MiB of parameters per rank", self.stage,
+                 self.spec.num_workers, self.spec.train_strategy, w[0]["backend"],
+                 len({x["node_id"] for x in w}), max(x["param_bytes"] for x in w) / 2**20)
+        d = self.group.describe()
+        return {"strategy": self.spec.train_strategy, "num_workers": self.spec.num_workers,
+                "placement_group": d["placement_group"],
+                "workers": [{k: x.get(k) for k in ("rank", "pid", "node_id", "device", "backend", "param_bytes")}
+                            for x in w]}
+
+    def update(self, batch, advantages: torch.Tensor, token_weights: torch.Tensor | None, *, temperature: float,
+               seed: int) -> dict[str, float]:
+        """One update of the whole batch over the workers; the loop's metric names (+ `dist/*`)."""
+        out = self.group.train_step(batch, advantages, token_weights, temperature=temperature, seed=seed)
+        m = {k: out[k] for k in ("loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean", "lr")}
+        m.update({"dist/workers": float(self.spec.num_workers), "dist/worker_s": out["worker_seconds"],
+                  "dist/param_mb_per_rank": out["param_bytes_per_rank"] / 2**20,
+                  "dist/optim_mb_per_rank": out["optim_bytes_per_rank"] / 2**20,
+                  "dist/comm_mb_per_rank": out["allreduce_bytes"] / 2**20})
+        return m
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights, whole, on CPU."""
+        return self.group.state_dict()
+
+    def save(self, path: str | Path) -> dict[str, Any]:
+        """The optimizer shards under `path`; returns the scheduler state for the loop's record."""
+        return self.group.save_sharded(path)
+
+    def close(self) -> None:
+        """Kill the workers (also after an error) and the Ray instance this trainer started."""
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
+            self._own_ray = False
+        if self._tmp:
+            import shutil
+
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+__all__ = ["RayPolicyTrainer"]
