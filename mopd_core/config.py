@@ -32,7 +32,9 @@ class RuntimeConfig(_Model):
         "colocated", description="Colocated: trainer, rollout and teachers share devices and take turns. "
         "Disaggregated: rollout/teachers are servers on their own devices.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter/compute dtype of student and teachers.")
+        "float32", description="Compute dtype. Trained models keep float32 master weights and optimizer state "
+        "(autocast; FSDP2: parameters gathered in this dtype, gradients reduced in float32); teachers, rollout "
+        "and eval load their weights in it. float16 is for inference only (training needs bfloat16).")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op CPU threads; None = all cores. Use 1 on a busy machine "
         "(OpenMP threads spin-wait and slow down under contention).")
@@ -215,6 +217,12 @@ class TrainConfig(_Model):
         "are grouped so that rows × (longest prompt + longest completion) stays within it, each micro-batch padded "
         "only to its own longest row (a longer row gets one of its own); replaces the section's micro_batch_size. "
         "None = micro_batch_size rows per micro-batch at the batch's full width.")
+
+
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (transformers' gradient "
+        "checkpointing, non-reentrant) in SFT, expert and MOPD training: activation memory of about one layer "
+        "instead of all of them for ~30 % more compute; the gradients are the same (not fingerprinted).")
 
 
 class PolicyLoopConfig(_Model):

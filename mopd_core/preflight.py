@@ -45,6 +45,15 @@ class _Model:
     context: int | None      # positions it supports; None = unknown (a hub id that does not say)
     num_params: int | None
     tokenizer: Any = None
+    shape: tuple[int, int, int] | None = None  # hidden size, decoder layers, vocabulary: the activation estimate
+
+
+def _shape_of(config: dict) -> tuple[int, int, int] | None:
+    cfg = config.get("text_config") or config
+    try:
+        return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
@@ -89,7 +98,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
                 _check_context(recipe, t, eval=False)
                 local_teachers[tid] = t
     if policy and stage != "recipe" and stu.num_params:
-        _check_memory(recipe, dinfo.kind, stu, local_teachers)
+        _check_memory(recipe, stage, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
     stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
     _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
@@ -137,9 +146,9 @@ def _inspect(recipe: RecipeConfig, label: str, path: str | Path | None) -> _Mode
         raise ConfigError(f"{label}: no model given — pass a checkpoint dir")
     info = inspect_checkpoint(path, label)
     if info is not None:
-        return _Model(label, str(path), info.context, info.num_params)
-    context, n = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: what its config says
-    return _Model(label, str(path), context, n)
+        return _Model(label, str(path), info.context, info.num_params, shape=_shape_of(info.config))
+    context, n, shape = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: what its config says
+    return _Model(label, str(path), context, n, shape=shape)
 
 
 def _base(recipe: RecipeConfig) -> _Model:
@@ -157,10 +166,12 @@ def _base(recipe: RecipeConfig) -> _Model:
     with torch.device("meta"):  # shapes only: no memory, no init
         n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
                                                     tok.eos_token_id).parameters())
-    return _Model("the tiny model", "tiny", recipe.model.tiny.max_position_embeddings, n, tok)
+    t = recipe.model.tiny
+    return _Model("the tiny model", "tiny", t.max_position_embeddings, n, tok,
+                  shape=(t.hidden_size, t.num_layers, len(tok)))
 
 
-def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None]:
+def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None, Any]:
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -171,9 +182,9 @@ def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int 
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(
                 cfg, trust_remote_code=trust_remote_code).parameters())
-        return model_context(cfg.to_dict()), n
+        return model_context(cfg.to_dict()), n, _shape_of(cfg.to_dict())
     except Exception:  # noqa: BLE001 - not resolvable now: the stage's own load reports it
-        return None, None
+        return None, None, None
 
 
 def _tokenizer(m: _Model):
@@ -202,16 +213,40 @@ def _check_context(recipe: RecipeConfig, m: _Model, eval: bool) -> None:
                       "with a longer context")
 
 
-def _check_memory(recipe: RecipeConfig, kind: str, stu: _Model, teachers: dict[str, _Model]) -> None:
-    """The colocated phase budget (`runtime.phases.check_colocated_fit`, which the loop applies to the loaded
-    models too) from parameter counts: a ColocationError before any folder or model exists."""
+def update_activation_bytes(recipe: RecipeConfig, stage: str, shape: tuple[int, int, int]) -> int:
+    """The activations of one micro-batch of `stage`'s update (`runtime.phases.activation_bytes`) for a model of
+    `shape` (hidden, layers, vocabulary): the token budget, else micro_batch_size rows (all of a rank's rows of a
+    minibatch when unset) × the longest row."""
+    from .runtime.phases import activation_bytes
+
+    rt, tr = recipe.runtime, recipe.train
+    loop = recipe.expert if stage.startswith("expert-") else recipe.mopd
+    rows = max(loop.prompts_per_step * loop.group_size // rt.num_workers // loop.minibatches, 1)
+    tokens = tr.max_tokens_per_micro_batch or (min(loop.micro_batch_size or rows, rows) * recipe.max_seq_len())
+    return activation_bytes(max(tokens, recipe.max_seq_len()), *shape, dtype_bytes=_DTYPE_BYTES.get(rt.dtype, 4),
+                            checkpointing=tr.gradient_checkpointing, logprob_impl=tr.logprob_impl)
+
+
+def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teachers: dict[str, _Model]) -> None:
+    """The memory of one device (one rank) in each colocated phase (`runtime.phases.check_colocated_fit`, which
+    the loop applies to the loaded models too) from parameter counts and the model's shape: float32 master
+    weights + gradients + AdamW state (÷ N under FSDP2; + the sampling copy when workers train), the
+    activations of one micro-batch (`activation_bytes`: token budget or rows × longest row, gradient
+    checkpointing, chunked log-probs), teachers in the compute dtype. A ColocationError before any folder or
+    model exists."""
+    from .runtime import device as devlib
     from .runtime.phases import check_colocated_fit
 
-    b = _DTYPE_BYTES.get(recipe.runtime.dtype, 4)
-    check_colocated_fit(kind=kind, limit_gib=recipe.runtime.memory_limit_gib, student_bytes=stu.num_params * b,
+    rt = recipe.runtime
+    b = _DTYPE_BYTES.get(rt.dtype, 4)
+    master = _DTYPE_BYTES[devlib.TRAIN_MASTER_DTYPE]
+    act = update_activation_bytes(recipe, stage, stu.shape) if stu.shape is not None else 0
+    check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
                         optimizer_factor=2.0, teacher_bytes={k: t.num_params * b for k, t in teachers.items()
                                                              if t.num_params},
-                        teachers_offload=recipe.teachers.offload, placement=recipe.runtime.placement)
+                        teachers_offload=recipe.teachers.offload, placement=rt.placement,
+                        shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
+                        driver_copy=rt.strategy != "single", activations=act)
 
 
 # ---------------------------------------------------------------- data
@@ -265,8 +300,9 @@ def _finished(recipe: RecipeConfig, stage: str, stage_dir: Path) -> bool:
                 and (stage_dir / "final").is_dir())
 
 
-def checkpoint_bytes(num_params: int, dtype: str) -> int:
-    """Disk one training checkpoint needs: weights + AdamW's two moments (same dtype as the weights) + margin."""
+def checkpoint_bytes(num_params: int, dtype: str = "float32") -> int:
+    """Disk one training checkpoint needs: weights + AdamW's two moments (float32 master copies whatever the
+    compute dtype: `runtime.device.TRAIN_MASTER_DTYPE`) + margin."""
     return num_params * _DTYPE_BYTES.get(dtype, 4) * 3 + MARGIN_BYTES
 
 
@@ -296,7 +332,7 @@ def _check_output_dir(recipe: RecipeConfig, stage_dir: Path, model: _Model | Non
                           "writable output_dir or fix its permissions") from None
     if model is None or not model.num_params:
         return
-    need = checkpoint_bytes(model.num_params, recipe.runtime.dtype)
+    need = checkpoint_bytes(model.num_params)  # float32 master weights + moments
     free = shutil.disk_usage(anc).free
     if free < need:
         raise DiskFullError(f"{field}: the disk holding '{anc}' has {_mib(free)} free, a checkpoint of this stage "

@@ -102,14 +102,22 @@ def base_model(recipe: RecipeConfig) -> Path | str:
 def _sft_fp(recipe: RecipeConfig, base_id: str) -> str:
     sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
     return stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
-                             recipe.rollout.max_new_tokens, recipe.eval, base_id)
+                             recipe.rollout.max_new_tokens, recipe.eval, base_id,
+                             *([precision_fingerprint_part(recipe)] if recipe.runtime.dtype != "float32" else []))
 
 
 def train_fingerprint_part(recipe: RecipeConfig) -> dict:
     """The `train` section as the RL fingerprints take it: `max_tokens_per_micro_batch` only when set, so a config
     that does not use it keeps the identity (and the finished stages) it had before the field existed."""
     unset = {"max_tokens_per_micro_batch"} if recipe.train.max_tokens_per_micro_batch is None else set()
-    return recipe.train.model_dump(mode="json", exclude=unset)
+    part = recipe.train.model_dump(mode="json", exclude=unset | {"gradient_checkpointing"})  # recompute is exact
+    return {**part, **precision_fingerprint_part(recipe)}
+
+
+def precision_fingerprint_part(recipe: RecipeConfig) -> dict:
+    """Training in bfloat16 keeps float32 master weights (`runtime.device.autocast`); stages trained before that
+    held bfloat16 parameters. Marked only for a non-float32 dtype, so float32 stages keep their identity."""
+    return {} if recipe.runtime.dtype == "float32" else {"master_weights": devlib.TRAIN_MASTER_DTYPE}
 
 
 def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:

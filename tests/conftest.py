@@ -56,3 +56,21 @@ def with_short_domain(cfg):
     d = cfg.model_dump()
     d["data"]["domains"].append({"name": "short", "source": "synthetic:short", "weight": 1.0, "eval_size": 8})
     return config_from_dict(d)
+
+
+def short_cfg(tmp_path, extra=()):
+    """The integration recipe with the `short` domain (RL on it moves the weights within a few steps)."""
+    from mopd_core.config import load_config
+
+    return with_short_domain(load_config("tiny", tiny_overrides(tmp_path) + list(extra)))
+
+
+@pytest.fixture(scope="module")
+def short_sft_dir(tmp_path_factory):
+    """One tiny SFT of `short_cfg` per test module that trains RL stages from it."""
+    from mopd_core import recipe as R
+
+    cfg = short_cfg(tmp_path_factory.mktemp("sft"))
+    R.setup_runtime(cfg)
+    torch.set_num_threads(1)
+    return R.sft_stage(cfg, R.base_model(cfg), progress=False).model_dir

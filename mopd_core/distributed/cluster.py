@@ -83,6 +83,8 @@ class ClusterSpec:
     train_strategy: str = "ddp"        # ddp (replicated student) | fsdp2 (sharded parameters + optimizer state)
     rollout: bool = True               # start rollout instances (False: the driver samples, trainers only)
     logprob_impl: str = "chunked"      # train.logprob_impl inside the trainers' update
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing in the trainers
+    max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (ranks agree on the count)
 
     @property
     def compute_device(self) -> str:
@@ -368,9 +370,15 @@ class TrainWorker(_Worker):
         from ..config import PolicyLoopConfig
         from ..models import load_model
 
+        from ..runtime import device as devlib
+        from ..train.loop import enable_gradient_checkpointing
+
         self.cfg = PolicyLoopConfig(**dict(loop_cfg))
-        self.model = load_model(model_path, self.device, spec.dtype)
+        # float32 master weights; spec.dtype is the compute dtype (DDP: autocast; FSDP2: MixedPrecisionPolicy)
+        self.model = load_model(model_path, self.device, devlib.TRAIN_MASTER_DTYPE)
         self.model.train()
+        if spec.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.ddp = self.opt = self.sched = None
         self.fsdp = spec.train_strategy == "fsdp2"
 
@@ -409,12 +417,16 @@ class TrainWorker(_Worker):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         mesh = DeviceMesh.from_group(self.train_group, self.device.type)
+        mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.spec.dtype), reduce_dtype=torch.float32)
+              if self.spec.dtype != "float32" else MixedPrecisionPolicy())
         units = set(getattr(self.model, "_no_split_modules", None) or ())
         for mod in list(self.model.modules()):
             if type(mod).__name__ in units:
-                fully_shard(mod, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+                fully_shard(mod, mesh=mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp)
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of the student's parameters and of the optimizer state (FSDP2: its shards)."""
@@ -445,17 +457,34 @@ class TrainWorker(_Worker):
         tw = torch.full_like(mask, W * n_local / max(n_global, 1.0))
         if tw_user is not None:
             tw = tw * tw_user[rows].to(self.device)
-        upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
-                            self.cfg, temperature, random.Random(f"{seed}/{self.rank}"), self.spec.logprob_impl)
+        from ..runtime import device as devlib
+
+        # DDP computes under autocast; FSDP2 already casts the parameters it gathers (MixedPrecisionPolicy)
+        amp = devlib.autocast(self.dinfo.kind, "float32" if self.fsdp else self.spec.dtype)
+        with amp:
+            upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
+                                self.cfg, temperature, random.Random(f"{seed}/{self.rank}"), self.spec.logprob_impl,
+                                self.spec.max_tokens_per_micro_batch, agree=self._agree)
         # every backward moves the full gradient once (DDP all-reduce; FSDP2 reduce-scatter, plus the forward's
         # parameter all-gathers): the payload per rank, before gloo/nccl's own traffic
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        mbs = [len(rows[i::self.cfg.minibatches]) for i in range(self.cfg.minibatches)]
-        backwards = sum(-(-m // (self.cfg.micro_batch_size or max(m, 1))) for m in mbs if m)
+        if self.spec.max_tokens_per_micro_batch is not None:
+            backwards = int(upd["perf/micro_batches"])
+        else:
+            mbs = [len(rows[i::self.cfg.minibatches]) for i in range(self.cfg.minibatches)]
+            backwards = sum(-(-m // (self.cfg.micro_batch_size or max(m, 1))) for m in mbs if m)
         upd.update({"rows": len(rows), "tokens": n_local, "seconds": time.perf_counter() - t0,
                     "allreduce_bytes": backwards * grad_bytes, "lr": self.sched.get_last_lr()[0],
                     **self.shard_bytes()})
         return upd
+
+    def _agree(self, n: int) -> int:
+        """The largest of the ranks' micro-batch counts (every rank must run as many passes)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.train_group)
+        return int(t.item())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The student's full weights on CPU (for the driver's rollout, checkpoints and reference checks). Under
@@ -733,7 +762,9 @@ class WorkerGroup:
                "seconds": time.perf_counter() - t0, "worker_seconds": max(o["seconds"] for o in outs),
                "allreduce_bytes": outs[0]["allreduce_bytes"],
                "param_bytes_per_rank": max(o["param_bytes"] for o in outs),
-               "optim_bytes_per_rank": max(o["optim_bytes"] for o in outs)}
+               "optim_bytes_per_rank": max(o["optim_bytes"] for o in outs),
+               "perf/micro_batches": max(o.get("perf/micro_batches", 0.0) for o in outs),  # equal on every rank
+               "perf/pad_frac": sum(o.get("perf/pad_frac", 0.0) for o in outs) / W}
         for k in ("entropy", "clip_frac", "approx_kl", "ratio_mean"):
             res[k] = sum(o.get(k, 0.0) * n for o, n in zip(outs, ntok)) / tot
         return res

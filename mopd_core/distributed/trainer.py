@@ -41,6 +41,8 @@ class RayPolicyTrainer:
         self.spec = ClusterSpec(num_workers=rt.num_workers, kind=kind, dtype=rt.dtype,
                                 num_threads=rt.num_threads or 1, strategy=rt.ray_placement,
                                 train_strategy=rt.strategy, rollout=False, logprob_impl=recipe.train.logprob_impl,
+                                gradient_checkpointing=recipe.train.gradient_checkpointing,
+                                max_tokens_per_micro_batch=recipe.train.max_tokens_per_micro_batch,
                                 pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
         self.loop_cfg = loop_cfg.model_dump(include=set(PolicyLoopConfig.model_fields))  # what the update reads
         self.address = rt.ray_address
@@ -82,7 +84,8 @@ class RayPolicyTrainer:
                seed: int) -> dict[str, float]:
         """One update of the whole batch over the workers; the loop's metric names (+ `dist/*`)."""
         out = self.group.train_step(batch, advantages, token_weights, temperature=temperature, seed=seed)
-        m = {k: out[k] for k in ("loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean", "lr")}
+        m = {k: out[k] for k in ("loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean", "lr",
+                                 "perf/micro_batches", "perf/pad_frac")}
         m.update({"dist/workers": float(self.spec.num_workers), "dist/worker_s": out["worker_seconds"],
                   "dist/param_mb_per_rank": out["param_bytes_per_rank"] / 2**20,
                   "dist/optim_mb_per_rank": out["optim_bytes_per_rank"] / 2**20,

@@ -133,6 +133,9 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
         kw["seed"] = seed
     if max_prompt_tokens is not None:
         kw["max_model_len"] = max_prompt_tokens + cfg.max_new_tokens
+    runtime = getattr(recipe_or_rollout_cfg, "runtime", None)
+    if runtime is not None:  # the compute dtype: the trainer's module holds float32 master weights
+        kw["dtype"] = runtime.dtype
     kw.update(vllm_kwargs)
     return VllmRollout(model, tokenizer, device, max_prompt_tokens, **kw)
 

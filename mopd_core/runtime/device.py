@@ -256,3 +256,21 @@ def seed_everything(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds cuda; npu seeds through torch.manual_seed with torch_npu loaded
+
+
+# Training keeps fp32 master weights and optimizer state; `runtime.dtype` is the compute dtype. The single-process
+# and DDP update (and the rollout that produces the behaviour log-probs, so the PPO ratio compares like with like)
+# run under autocast; FSDP2 instead casts the gathered parameters (MixedPrecisionPolicy) — the way torch's FSDP2
+# does mixed precision, which also halves the all-gather traffic. Autocast rather than bf16 parameters: AdamW on
+# bf16 weights loses updates smaller than 2^-8 of a weight (lr 1e-6 on weights ~1 is far below that).
+TRAIN_MASTER_DTYPE = "float32"
+
+
+def autocast(kind: str, dtype: str):
+    """The compute-dtype context of a training process: `torch.autocast` for bfloat16/float16 on `kind`'s device
+    type (cpu, cuda, npu), a no-op context for float32."""
+    import contextlib
+
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))

@@ -54,9 +54,23 @@ def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
     return total / MB if total else None
 
 
+def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, *, dtype_bytes: int = 4,
+                     checkpointing: bool = False, logprob_impl: str = "chunked") -> int:
+    """Activation memory of one forward/backward of `tokens` tokens (one micro-batch), an estimate: a decoder
+    layer keeps ~34·H bytes a token in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+    Large Transformer Models", with attention that materialises no s×s scores — sdpa/flash), scaled by the compute
+    dtype; with gradient checkpointing only each layer's input (H values a token) stays, plus one layer being
+    recomputed. The log-probs: `full` holds logits, log-softmax and their gradient ([T,V] fp32 × 3); `chunked`
+    only the final hidden states and their gradient."""
+    per_layer = 34 * hidden * dtype_bytes // 2
+    layers_b = (layers * hidden * dtype_bytes + per_layer) if checkpointing else layers * per_layer
+    head = 3 * vocab * 4 if logprob_impl == "full" else 2 * hidden * 4
+    return tokens * (layers_b + head)
+
+
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
-                        driver_copy: bool = False) -> dict[str, float]:
+                        driver_copy: bool = False, activations: int = 0) -> dict[str, float]:
     """Pre-flight (before any compute): the largest phase must fit the budget of one device (one rank). Returns
     the phase needs (MiB).
 
@@ -65,10 +79,12 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     gradients are offloaded after training, so rollout holds the weights and score the weights + one teacher;
     disaggregated, every phase keeps the training state. `teachers.offload: false` keeps every teacher resident
     in every phase. `driver_copy`: the update runs on workers and the sampling process keeps its own whole copy
-    of the weights on device 0, beside rank 0's training state."""
+    of the weights on device 0, beside rank 0's training state. `activations`: one micro-batch's
+    (`activation_bytes`), held during the update."""
     w = student_bytes / MB
-    trainer = w * (2 + optimizer_factor) / shards + (w if driver_copy else 0.0)
-    held = w if placement == "colocated" else trainer  # what rollout/score hold of the student
+    state = w * (2 + optimizer_factor) / shards + (w if driver_copy else 0.0)
+    trainer = state + activations / MB
+    held = w if placement == "colocated" else state  # what rollout/score hold of the student
     tb = {n: b / MB for n, b in teacher_bytes.items()}
     always = 0.0 if teachers_offload else sum(tb.values())
     need = {"train": trainer + always, "rollout": held + always}
@@ -81,12 +97,16 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
         phase = max(need, key=need.get)
         if need[phase] > budget:
             n_t = len(teacher_bytes)
-            if phase == "train" and trainer > budget:  # the training state alone does not fit: shard it
+            if phase == "train" and trainer > budget:  # the update alone does not fit: shard it or cut activations
+                act = activations / MB
+                fix = ("shard it: runtime.strategy=fsdp2 with more runtime.num_workers, or a smaller model"
+                       if state >= act else "cut the activations: train.gradient_checkpointing=true, a smaller "
+                       "train.max_tokens_per_micro_batch (or micro_batch_size)")
                 raise ColocationError(
                     f"runtime.placement={placement}: phase 'train' needs {need[phase] / 1024:.3g} GiB per device "
-                    f"(weights + gradients + AdamW state{f' over {shards} shards' if shards > 1 else ''}) but the "
-                    f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) — shard it: "
-                    f"runtime.strategy=fsdp2 with more runtime.num_workers, or a smaller model/dtype")
+                    f"(weights + gradients + AdamW state{f' over {shards} shards' if shards > 1 else ''}: "
+                    f"{state / 1024:.3g} GiB; activations of one micro-batch: {act / 1024:.3g} GiB) but the "
+                    f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) — {fix}")
             raise ColocationError(
                 f"runtime.placement={placement}: phase '{phase}' needs {need[phase] / 1024:.3g} GiB but the "
                 f"{kind} budget is {budget / 1024:.3g} GiB (runtime.memory_limit_gib) with {n_t} teacher(s)"

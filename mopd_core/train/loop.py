@@ -17,6 +17,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
@@ -101,6 +102,9 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
         raise ConfigError(f"{stage}: {sec}.w_rl and {sec}.w_kd are both 0 — nothing to learn from; set one > 0")
     recipe.mix_weights(loop_cfg, sec, names)
     rt = recipe.runtime
+    if rt.dtype == "float16":
+        raise ConfigError(f"{stage}: runtime.dtype=float16 cannot train here (float16 gradients need loss scaling, "
+                          "which the RL/MOPD update does not do); use runtime.dtype=bfloat16")
     if rt.strategy != "single":
         fix = "or set runtime.strategy=single"
         if has_teachers and loop_cfg.w_kd > 0 and loop_cfg.kd_loss == "jsd":
@@ -112,10 +116,6 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
             raise ConfigError(f"{stage}: {sec}.prompts_per_step × group_size = {rows} rows do not split evenly over "
                               f"runtime.num_workers={rt.num_workers} (every rank must run as many backward passes); "
                               f"make it a multiple of {rt.num_workers}")
-        if recipe.train.max_tokens_per_micro_batch is not None:
-            raise ConfigError(f"{stage}: train.max_tokens_per_micro_batch gives ranks unequal numbers of "
-                              f"micro-batches, which runtime.strategy={rt.strategy} cannot synchronise; unset it "
-                              f"(use {sec}.micro_batch_size) " + fix)
 
 
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
@@ -176,8 +176,13 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     if ckpts:  # resume — also extends a finished stage when only `steps` grew
         model_src = ckpts[-1] / "model"
         start = load_loop_state(ckpts[-1])["step"]
-    model = load_model(model_src, device, recipe.runtime.dtype)
+    # float32 master weights whatever runtime.dtype (the compute dtype: autocast below, FSDP2's MixedPrecisionPolicy
+    # in the workers); with a trainer this is the sampling copy, filled with the workers' float32 weights
+    model = load_model(model_src, device, devlib.TRAIN_MASTER_DTYPE)
     model.train()
+    if recipe.train.gradient_checkpointing and trainer is None:
+        enable_gradient_checkpointing(model)
+    amp = partial(devlib.autocast, dinfo.kind, recipe.runtime.dtype)  # a fresh context per use
     opt = sched = None
     st = load_loop_state(ckpts[-1]) if ckpts else {}
     if trainer is None:
@@ -235,7 +240,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 phases.begin_step(step + 1)
 
                 t0 = time.perf_counter()
-                with phases.rollout():
+                with phases.rollout(), amp():  # behaviour log-probs in the compute dtype of the update
                     batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
                                             top_p=recipe.rollout.top_p, generator=gen,
                                             batch_size=recipe.rollout.batch_size)
@@ -264,9 +269,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 t0 = time.perf_counter()
                 with phases.train():
                     if trainer is None:
-                        upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
-                                            recipe.rollout.temperature, rng, recipe.train.logprob_impl,
-                                            recipe.train.max_tokens_per_micro_batch)
+                        with amp():
+                            upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
+                                                recipe.rollout.temperature, rng, recipe.train.logprob_impl,
+                                                recipe.train.max_tokens_per_micro_batch)
                     else:  # the workers update; this copy follows them (the next rollout samples from it)
                         upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
                                              seed=rng.getrandbits(31))
@@ -314,8 +320,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
 
                 done = step + 1
                 if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
-                    last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
-                                               recipe.seed, loop_cfg.eval_size)
+                    with amp():
+                        last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
+                                                   recipe.seed, loop_cfg.eval_size)
                     for d, r in last_eval.items():
                         for k, v in r.items():
                             m[f"eval/{d}/{k}"] = v
@@ -335,8 +342,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             engine.close()  # a vLLM engine releases its device memory; the HF engine has nothing to close
 
         log.info("%s: %s", stage, phases.summary())
-        last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
-                                   loop_cfg.eval_size)
+        with amp():
+            last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
+                                       loop_cfg.eval_size)
         final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
         # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
         save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints,
@@ -351,6 +359,13 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' activation checkpointing per decoder layer, non-reentrant (torch's recommended mode: works
+    with FSDP2, with inputs that need no grad and under autocast). The rollout engines sample in eval mode, where
+    transformers keeps the KV cache on."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _sharded_writer(trainer: PolicyTrainer | None):
@@ -406,14 +421,16 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random, logprob_impl: str = "chunked",
-            max_tokens: int | None = None) -> dict[str, float]:
+            max_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
     `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
     train.max_tokens_per_micro_batch: micro-batches by a token budget, each cut to its own longest row
-    (`train.microbatch`), instead of `cfg.micro_batch_size` rows at the batch's full width. Under DDP every rank
-    must run as many backwards (each all-reduces), which a token budget does not guarantee: the Ray workers do
-    not pass it. `perf/pad_frac`: the padding share of the positions all forwards computed."""
+    (`train.microbatch`), instead of `cfg.micro_batch_size` rows at the batch's full width. Under DDP/FSDP2 every
+    rank must run as many forward/backward passes (each runs collectives), which a token budget does not
+    guarantee: `agree(n)` returns the ranks' largest count (an all-reduce, as verl's dynamic batch size does), and
+    a rank with fewer runs the rest as zero-weight passes over one of its rows. `perf/pad_frac`: the padding
+    share of the positions all forwards computed (the zero-weight passes count as computed)."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -428,16 +445,20 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
         n_mb = float(mask[mb].sum()) or 1.0
         if max_tokens is not None:
             micros = token_budget_micro_batches(mb, *lens, max_tokens)
+            if agree is not None:  # [] = a zero-weight pass that keeps this rank in step with the others
+                micros += [[] for _ in range(agree(len(micros)) - len(micros))]
         else:
             micro = cfg.micro_batch_size or len(mb)
             micros = [mb[s:s + micro] for s in range(0, len(mb), micro)]
         for rows in micros:
+            idle = not rows
+            rows = rows or mb[:1]
             if max_tokens is not None:
                 sub, t = trim(batch, rows)
             else:  # today's layout, untouched: the batch's full width (same numbers as before the budget)
                 sub, t = batch.select(rows), batch.completion_ids.shape[1]
             c, r = padded_positions(sub)
-            computed, real = computed + c, real + r
+            computed, real = computed + c, real + (0 if idle else r)
             sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True,
                                    support_ids=routed.topk_ids[rows, :t] if use_jsd else None)
             logp, ent = sc.logp, sc.entropy
@@ -445,7 +466,8 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             tw = token_w[rows, :t] if token_w is not None else None
             loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows, :t], mk, cfg.clip_low, cfg.clip_high,
                                         token_weights=tw)
-            share = float(mk.sum()) / n_mb  # weight by tokens, not by micro-batch count: the minibatch's token mean
+            # weight by tokens, not by micro-batch count: the minibatch's token mean (0: a pass only to stay in step)
+            share = 0.0 if idle else float(mk.sum()) / n_mb
             total = loss * share
             if use_jsd:
                 s_sup, t_sup = alg.support_from_gathered(sc.support_logp, logp, routed.topk_ids[rows, :t],
@@ -456,7 +478,7 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
                 agg["jsd"] += float(jsd.detach()) * share / len(mbs)
             total.backward()
             with torch.no_grad():
-                agg["entropy"] += float((ent * mk).sum()) / n_mb / len(mbs)
+                agg["entropy"] += 0.0 if idle else float((ent * mk).sum()) / n_mb / len(mbs)
             for k in ("clip_frac", "approx_kl", "ratio_mean"):
                 agg[k] += met.get(k, 0.0) * share / len(mbs)
             agg["loss"] += float(total.detach()) / len(mbs)

@@ -65,7 +65,8 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     if info and info.get("status") == "done":  # brought back from aside
         return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     tokenizer = load_tokenizer(base_path)
-    model = load_model(base_path, dinfo.torch_device, recipe.runtime.dtype)
+    # float32 master weights; the Trainer's bf16/fp16 flags below make runtime.dtype the compute dtype (autocast)
+    model = load_model(base_path, dinfo.torch_device, devlib.TRAIN_MASTER_DTYPE)
     history: list[dict] = []
     if cfg.steps > 0:
         history = _train(recipe, model, tokenizer, rows, stage_dir, dinfo, progress, domains)
@@ -120,7 +121,9 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
         save_total_limit=2, report_to=[], seed=recipe.seed, data_seed=recipe.seed,
         use_cpu=dinfo.kind == "cpu", dataloader_num_workers=0, max_length=max_len,
         completion_only_loss=True, disable_tqdm=True, bf16=recipe.runtime.dtype == "bfloat16",
-        fp16=recipe.runtime.dtype == "float16", dataset_num_proc=None, save_only_model=False)
+        fp16=recipe.runtime.dtype == "float16", dataset_num_proc=None, save_only_model=False,
+        gradient_checkpointing=recipe.train.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if recipe.train.gradient_checkpointing else None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=[_Track()])
     trainer.remove_callback(PrinterCallback)  # our callback logs; the printer would dump raw dicts

@@ -433,9 +433,13 @@ def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
     from mopd_core.models import inspect_checkpoint
     from mopd_core.runtime.phases import ColocationError
 
-    gib = inspect_checkpoint(tiny_model).num_params * 4 / 2**30
-    # train = weights + grads + 2 AdamW moments = 4w; three teachers resident (offload=false) add 3w
-    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"runtime.memory_limit_gib={6 * gib}",
+    info = inspect_checkpoint(tiny_model)
+    gib = info.num_params * 4 / 2**30
+    act = R.preflight.update_activation_bytes(load_config("tiny", tiny_overrides(tmp_path / "out")), "student",
+                                              R.preflight._shape_of(info.config)) / 2**30
+    # train = weights + grads + 2 AdamW moments = 4w (+ one micro-batch's activations); three teachers resident
+    # (offload=false) add 3w
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"runtime.memory_limit_gib={6 * gib + act}",
                                                                   "teachers.offload=false"])
     teachers = {"math": tiny_model, "code": tiny_model, "if": tiny_model}
     with pytest.raises(ColocationError, match=r"phase 'train' needs .* with 3 teacher\(s\) all resident"):

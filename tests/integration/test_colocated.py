@@ -110,8 +110,13 @@ def test_plan_that_cannot_fit_fails_before_compute(trained, tmp_path):
 
     cfg, sft, teachers = trained
     w = sum(p.numel() * p.element_size() for p in load_model(sft).parameters()) / 2**30  # GiB, all models equal
-    # 4w (train) and 2w (student + one teacher) fit 4.5w; student + three resident teachers (4w) + grads/optim do not
-    budget = 4.5 * w
+    # 4w (train, + one micro-batch's activations) and 2w (student + one teacher) fit 4.5w; student + three resident
+    # teachers (4w) + grads/optim do not
+    from mopd_core import preflight
+    from mopd_core.models import inspect_checkpoint
+
+    act = preflight.update_activation_bytes(cfg, "student", preflight._shape_of(inspect_checkpoint(sft).config))
+    budget = 4.5 * w + act / 2**30
     ok = _stage(cfg, sft, teachers, tmp_path / "ok", runtime__memory_limit_gib=budget, teachers__offload=True)
     assert (ok.stage_dir / "final").exists()
     out = tmp_path / "no"

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from mopd_core import recipe as R
 from mopd_core.errors import WorkerLostError
@@ -41,19 +40,14 @@ def _worst(a, b) -> float:
 
 
 def _cfg(tmp_path, extra=()):
-    from mopd_core.config import load_config
-    from tests.conftest import tiny_overrides, with_short_domain
+    from tests.conftest import short_cfg
 
-    return with_short_domain(load_config("tiny", tiny_overrides(tmp_path) + ["expert.steps=4"] + list(extra)))
+    return short_cfg(tmp_path, ["expert.steps=4", *extra])
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    """One tiny SFT (a short one: the RL steps must still have signal) shared by the module."""
-    cfg = _cfg(tmp_path_factory.mktemp("sft"))
-    R.setup_runtime(cfg)
-    torch.set_num_threads(1)
-    return R.sft_stage(cfg, R.base_model(cfg), progress=False).model_dir
+def sft_dir(short_sft_dir):
+    return short_sft_dir
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +219,23 @@ def test_two_node_cluster_one_worker_per_node(sft_dir, single_expert, two_node_r
     ref = _rows(single_expert.stage_dir / "metrics.jsonl")[:2]
     for a, b in zip(ref, _rows(out.stage_dir / "metrics.jsonl")):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_fsdp2_in_bfloat16_with_a_token_budget(sft_dir, tmp_path):
+    """The presets' combination: FSDP2 gathers parameters in bf16 (MixedPrecisionPolicy) over float32 master
+    shards, and micro-batches by a token budget, the ranks agreeing on the number of passes (a deadlock would hit
+    the collective timeout). Compared with one process under autocast on the same first batch (the driver samples
+    both): another bf16 computation, so close, not equal."""
+    extra = ["runtime.dtype=bfloat16", "train.max_tokens_per_micro_batch=40", "expert.steps=2"]
+    outs = {n: R.expert_stage(_cfg(tmp_path / n, extra + x), "short", sft_dir, progress=False)
+            for n, x in (("single", []), ("fsdp2", DIST))}
+    a, b = (_rows(outs[n].stage_dir / "metrics.jsonl") for n in ("single", "fsdp2"))
+    assert b[0]["reward/short"] == a[0]["reward/short"]  # the same first rollout
+    for k in ("loss", "grad_norm", "entropy"):
+        assert b[0][k] == pytest.approx(a[0][k], rel=0.1, abs=1e-3), k
+    assert b[0]["perf/micro_batches"] >= 2
+    from safetensors import safe_open
+
+    with safe_open(str(outs["fsdp2"].model_dir / "model.safetensors"), "pt") as f:  # gathered master weights
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert _worst(_params(outs["fsdp2"].model_dir), _params(outs["single"].model_dir)) < 5e-3
