@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.params import (ChampionParams, EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams,
-                          SFTParams, TeachersParams, section_dict)
+                          SFTParams, TeachersParams, TrainParams, section_dict)
 from tasks.common import experts_concurrently
 from tasks.runs import (close_recipe_run, compare_to_champion, find_champion, open_recipe_run, report_task,
                         validate_parameters)
@@ -26,6 +26,7 @@ def full_recipe(
     seed: int | None = None,
     output_dir: str | None = None,
     runtime: RuntimeParams = RuntimeParams(),
+    train: TrainParams = TrainParams(),
     sft: SFTParams = SFTParams(),
     rollout: RolloutParams = RolloutParams(),
     expert: ExpertParams = ExpertParams(),
@@ -40,8 +41,8 @@ def full_recipe(
     section parameters override single fields; `refresh`: stages to retrain (`sft`, `expert-<d>`, `student`,
     `evaluate`, `all`); `champion`: compare with `<name>-student@champion` (nightly); `concurrent_experts`:
     None = at the same time on an accelerator, or on CPU when each expert has a core (runtime.num_threads=1)."""
-    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, expert=expert,
-                                                   teachers=teachers, mopd=mopd, eval=eval).items()}
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, train=train, sft=sft, rollout=rollout,
+                                                   expert=expert, teachers=teachers, mopd=mopd, eval=eval).items()}
     cfg, _, _ = validate_parameters("full-recipe", config, overrides, sections,
                                     {"name": name, "seed": seed, "output_dir": output_dir}, refresh=refresh)
     champion = champion or ChampionParams()

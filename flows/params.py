@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_serialize
 from pydantic.json_schema import SkipJsonSchema
 
 from mopd_core.config import (EvalConfig, ExpertRLConfig, MOPDConfig, RolloutConfig, RuntimeConfig, SFTConfig,
-                              TeachersConfig)
+                              TeachersConfig, TrainConfig)
 
 
 class _Partial(BaseModel):
@@ -49,7 +49,10 @@ def partial_model(model: type[BaseModel], name: str, doc: str) -> type[BaseModel
     return m
 
 
-RuntimeParams = partial_model(RuntimeConfig, "RuntimeParams", "Device, dtype, threads (empty = preset).")
+RuntimeParams = partial_model(RuntimeConfig, "RuntimeParams",
+                              "Device, dtype, threads, workers and sharding (empty = preset).")
+TrainParams = partial_model(TrainConfig, "TrainParams",
+                            "How the updates compute: log-probs, micro-batches, checkpointing (empty = preset).")
 SFTParams = partial_model(SFTConfig, "SFTParams", "Mixed-domain SFT (empty = preset).")
 RolloutParams = partial_model(RolloutConfig, "RolloutParams", "Sampling of the policy (empty = preset).")
 ExpertParams = partial_model(ExpertRLConfig, "ExpertParams", "Per-domain expert GRPO (empty = preset).")
@@ -57,8 +60,8 @@ TeachersParams = partial_model(TeachersConfig, "TeachersParams", "Teacher scorin
 MOPDParams = partial_model(MOPDConfig, "MOPDParams", "Multi-teacher on-policy distillation (empty = preset).")
 EvalParams = partial_model(EvalConfig, "EvalParams", "Held-out evaluation (empty = preset).")
 
-SECTION_MODELS = {"runtime": RuntimeParams, "sft": SFTParams, "rollout": RolloutParams, "expert": ExpertParams,
-                  "teachers": TeachersParams, "mopd": MOPDParams, "eval": EvalParams}
+SECTION_MODELS = {"runtime": RuntimeParams, "train": TrainParams, "sft": SFTParams, "rollout": RolloutParams,
+                  "expert": ExpertParams, "teachers": TeachersParams, "mopd": MOPDParams, "eval": EvalParams}
 
 
 class ChampionParams(BaseModel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.params import (EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams, SFTParams,
-                          TeachersParams, section_dict)
+                          TeachersParams, TrainParams, section_dict)
 from tasks.common import ParameterError, adhoc_config
 from tasks.runs import close_recipe_run, open_recipe_run, validate_parameters
 from tasks.stages import evaluate_task, expert_task, mopd_task, sft_task
@@ -34,9 +34,10 @@ def sft_flow(config: str = "tiny", overrides: list[str] | None = None, name: str
              seed: int | None = None, output_dir: str | None = None, base: str | None = None,
              runtime: RuntimeParams = RuntimeParams(), sft: SFTParams = SFTParams(),
              rollout: RolloutParams = RolloutParams(), eval: EvalParams = EvalParams(),  # noqa: A002
-             refresh: bool = False) -> dict:
+             refresh: bool = False, train: TrainParams = TrainParams()) -> dict:
     """`base`: a model reference; empty = the config's `model.base` (`tiny` is built locally)."""
-    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, eval=eval).items()}
+    sections = {k: section_dict(v) for k, v in dict(runtime=runtime, sft=sft, rollout=rollout, eval=eval,
+                                                   train=train).items()}
     cfg, refs, _ = validate_parameters("sft", config, overrides, sections, _top(name, seed, output_dir),
                                        refs={"base": base} if base else None)
     cfg = adhoc_config(cfg, "sft", refs)
@@ -49,10 +50,10 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
                    name: str | None = None, seed: int | None = None, output_dir: str | None = None,
                    runtime: RuntimeParams = RuntimeParams(), expert: ExpertParams = ExpertParams(),
                    rollout: RolloutParams = RolloutParams(), eval: EvalParams = EvalParams(),  # noqa: A002
-                   refresh: bool = False) -> dict:
+                   refresh: bool = False, train: TrainParams = TrainParams()) -> dict:
     """`domain`: one of the recipe's domains; `init`: the SFT model reference."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, expert=expert, rollout=rollout,
-                                                   eval=eval).items()}
+                                                   eval=eval, train=train).items()}
     cfg, refs, _ = validate_parameters("expert-rl", config, overrides, sections, _top(name, seed, output_dir),
                                        refs={"init": init})
     if domain not in cfg.domain_names():
@@ -122,12 +123,13 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
               name: str | None = None, seed: int | None = None, output_dir: str | None = None,
               runtime: RuntimeParams = RuntimeParams(), mopd: MOPDParams = MOPDParams(),
               teachers: TeachersParams = TeachersParams(), rollout: RolloutParams = RolloutParams(),
-              eval: EvalParams = EvalParams(), refresh: bool = False) -> dict:  # noqa: A002
+              eval: EvalParams = EvalParams(), refresh: bool = False,  # noqa: A002
+              train: TrainParams = TrainParams()) -> dict:
     """`init`: the student's starting model (usually `models:/<name>-sft@...`); `teacher_refs`:
     {domain: expert model reference}. With `teachers.backend: http` the run starts the teachers' vLLM servers
     (serve_teachers) before the stage and stops them after it, also when it fails; none when the stage is reused."""
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, mopd=mopd, teachers=teachers,
-                                                   rollout=rollout, eval=eval).items()}
+                                                   rollout=rollout, eval=eval, train=train).items()}
     cfg, refs, trefs = validate_parameters("mopd", config, overrides, sections, _top(name, seed, output_dir),
                                            refs={"init": init}, teacher_refs=teacher_refs)
     inputs = {"init": refs["init"], **{f"teacher.{d}": r for d, r in trefs.items()}}

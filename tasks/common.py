@@ -15,9 +15,9 @@ from . import tracking
 # config sections logged as each stage's MLflow params (what the stage ran with — its identity is the engine's
 # fingerprint, `stage_key`)
 STAGE_SECTIONS = {
-    "sft": ("model", "data", "sft", "rollout", "eval"),
-    "expert": ("data", "rollout", "expert", "eval"),
-    "mopd": ("data", "rollout", "teachers", "mopd", "eval"),
+    "sft": ("model", "data", "sft", "rollout", "eval", "train"),
+    "expert": ("data", "rollout", "expert", "eval", "train"),
+    "mopd": ("data", "rollout", "teachers", "mopd", "eval", "train"),
     "evaluate": ("data", "rollout", "eval"),
 }
 SIDECAR = "orchestration.json"  # in a stage folder: the cache key + the task result (MLflow run, registered model)
