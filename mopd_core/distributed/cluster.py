@@ -283,6 +283,27 @@ def _gather(refs: Sequence[Any], timeout_s: float, what: str, names: Sequence[st
 
 # ------------------------------------------------------------------------------------------------ the actors
 
+def fully_shard_model(model: torch.nn.Module, group, device_type: str, dtype: str = "float32") -> None:
+    """FSDP2 as TRL/accelerate apply it to transformers models: one `fully_shard` unit per decoder layer (the
+    classes `_no_split_modules` names; the whole model when it names none), then the root, which holds the
+    embeddings, the final norm and lm_head, over `group`'s ranks. `dtype` other than float32: parameters are
+    gathered in it and gradients reduced in float32 (`MixedPrecisionPolicy`) over float32 master shards. The
+    chunked log-probs read lm_head's weight after the root's forward (`models.last_hidden_state` runs the whole
+    model under FSDP), where the root keeps it unsharded until backward, so its gradient is reduce-scattered with
+    the rest (tested against one process)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type)
+    mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+          if dtype != "float32" else MixedPrecisionPolicy())
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    for mod in list(model.modules()):
+        if type(mod).__name__ in units:
+            fully_shard(mod, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
 def _state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """sha256 over names and raw bytes: equal digests ⇔ bit-identical weights."""
     h = hashlib.sha256()
@@ -391,7 +412,7 @@ class TrainWorker(_Worker):
 
         self._init_dist(addr, port)
         if self.fsdp:
-            self._fully_shard()
+            fully_shard_model(self.model, self.train_group, self.device.type, self.spec.dtype)
             self.ddp = self.model  # FSDP2 changes the module in place: the loop calls it like the plain model
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -407,26 +428,6 @@ class TrainWorker(_Worker):
         if scheduler_state:
             self.sched.load_state_dict(dict(scheduler_state))
         return {**self.info(), **self.shard_bytes()}
-
-    def _fully_shard(self) -> None:
-        """FSDP2 as TRL/accelerate apply it to transformers models: one `fully_shard` unit per decoder layer
-        (the classes `_no_split_modules` names; the whole model when it names none), then the root, which holds
-        the embeddings, the final norm and lm_head. The chunked log-probs read lm_head's weight after the root's
-        forward (`models.last_hidden_state` runs the whole model under FSDP), where the root keeps it unsharded
-        until backward, so its gradient is reduce-scattered with the rest."""
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mesh = DeviceMesh.from_group(self.train_group, self.device.type)
-        mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.spec.dtype), reduce_dtype=torch.float32)
-              if self.spec.dtype != "float32" else MixedPrecisionPolicy())
-        units = set(getattr(self.model, "_no_split_modules", None) or ())
-        for mod in list(self.model.modules()):
-            if type(mod).__name__ in units:
-                fully_shard(mod, mesh=mesh, mp_policy=mp)
-        fully_shard(self.model, mesh=mesh, mp_policy=mp)
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of the student's parameters and of the optimizer state (FSDP2: its shards)."""
@@ -866,5 +867,6 @@ class WorkerGroup:
                 "workers": self.worker_info}
 
 
-__all__ = ["RESOURCE", "DEFAULT_TRANSPORT", "TRANSPORTS", "ClusterError", "ClusterSpec", "init_ray", "bundle_for",
-           "device_placement_group", "TrainWorker", "RolloutWorker", "Prompt", "WorkerGroup"]
+__all__ = ["RESOURCE", "DEFAULT_TRANSPORT", "TRANSPORTS", "TRAIN_STRATEGIES", "ClusterError", "ClusterSpec", "init_ray",
+           "bundle_for", "device_placement_group", "fully_shard_model", "TrainWorker", "RolloutWorker", "Prompt",
+           "WorkerGroup"]
