@@ -219,6 +219,11 @@ class TrainConfig(_Model):
         "None = micro_batch_size rows per micro-batch at the batch's full width.")
 
 
+    packing: bool = Field(
+        False, description="Run each RL/MOPD micro-batch's rows back to back without padding (positions restart per "
+        "row; a block-diagonal attention mask, or flash-attention's varlen path when the model uses "
+        "attn_implementation=flash_attention_2); with train.max_tokens_per_micro_batch the budget then counts real "
+        "tokens. The same loss as the padded computation up to float rounding.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (transformers' gradient "
         "checkpointing, non-reentrant) in SFT, expert and MOPD training: activation memory of about one layer "

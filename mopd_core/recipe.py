@@ -110,6 +110,7 @@ def train_fingerprint_part(recipe: RecipeConfig) -> dict:
     """The `train` section as the RL fingerprints take it: `max_tokens_per_micro_batch` only when set, so a config
     that does not use it keeps the identity (and the finished stages) it had before the field existed."""
     unset = {"max_tokens_per_micro_batch"} if recipe.train.max_tokens_per_micro_batch is None else set()
+    unset |= set() if recipe.train.packing else {"packing"}  # likewise: configs without it keep their identity
     part = recipe.train.model_dump(mode="json", exclude=unset | {"gradient_checkpointing"})  # recompute is exact
     return {**part, **precision_fingerprint_part(recipe)}
 

@@ -286,6 +286,8 @@ def experts_concurrently(cfg, requested: bool | None) -> bool:
 
     if requested is not None:
         return requested
+    if cfg.runtime.strategy != "single":  # each expert's update already spans runtime.num_workers devices
+        return False
     from mopd_core.runtime import device as devlib
 
     try:

@@ -85,6 +85,7 @@ class ClusterSpec:
     logprob_impl: str = "chunked"      # train.logprob_impl inside the trainers' update
     gradient_checkpointing: bool = False  # train.gradient_checkpointing in the trainers
     max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (ranks agree on the count)
+    packing: bool = False              # train.packing: micro-batches without padding
 
     @property
     def compute_device(self) -> str:
@@ -465,7 +466,7 @@ class TrainWorker(_Worker):
         with amp:
             upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
                                 self.cfg, temperature, random.Random(f"{seed}/{self.rank}"), self.spec.logprob_impl,
-                                self.spec.max_tokens_per_micro_batch, agree=self._agree)
+                                self.spec.max_tokens_per_micro_batch, agree=self._agree, packed=self.spec.packing)
         # every backward moves the full gradient once (DDP all-reduce; FSDP2 reduce-scatter, plus the forward's
         # parameter all-gathers): the payload per rank, before gloo/nccl's own traffic
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,6 +30,12 @@ from ..runtime import device as devlib
 from .cluster import ClusterSpec, WorkerGroup, init_ray
 
 log = logging.getLogger("mopd")
+
+# Stages of one process share its Ray (a Prefect flow may run expert stages in threads): the first trainer that
+# needs Ray starts (or joins) it, the last one to close shuts it down — never under another stage's workers.
+_RAY_LOCK = threading.Lock()
+_RAY_USERS = 0
+_RAY_TMP: str | None = None
 
 
 class RayPolicyTrainer:
@@ -43,25 +50,51 @@ class RayPolicyTrainer:
                                 train_strategy=rt.strategy, rollout=False, logprob_impl=recipe.train.logprob_impl,
                                 gradient_checkpointing=recipe.train.gradient_checkpointing,
                                 max_tokens_per_micro_batch=recipe.train.max_tokens_per_micro_batch,
+                                packing=recipe.train.packing,
                                 pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
         self.loop_cfg = loop_cfg.model_dump(include=set(PolicyLoopConfig.model_fields))  # what the update reads
         self.address = rt.ray_address
         self.group: WorkerGroup | None = None
-        self._own_ray = False
-        self._tmp: str | None = None
+        self._uses_ray = False
 
     def _ray(self) -> None:
+        """Count this trainer as a user of the process's Ray, starting (or joining) it for the first user. A Ray
+        some other code initialised before any trainer is used and never shut down here."""
+        global _RAY_USERS, _RAY_TMP
         import ray
 
-        if ray.is_initialized():
-            return
-        if self.address:
-            init_ray(address=self.address)
-        else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
-            self._tmp = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
-            res = {"num_cpus": max(self.spec.num_workers, os.cpu_count() or 1)} if self.spec.kind == "cpu" else {}
-            init_ray(tmp_dir=self._tmp, **res)
-        self._own_ray = True
+        with _RAY_LOCK:
+            if _RAY_USERS == 0 and not ray.is_initialized():
+                if self.address:
+                    init_ray(address=self.address)
+                else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
+                    _RAY_TMP = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
+                    res = ({"num_cpus": max(self.spec.num_workers, os.cpu_count() or 1)}
+                           if self.spec.kind == "cpu" else {})
+                    init_ray(tmp_dir=_RAY_TMP, **res)
+                _RAY_USERS = 1
+            elif _RAY_USERS:
+                _RAY_USERS += 1
+            else:  # initialised by someone else: use it, leave it running
+                return
+            self._uses_ray = True
+
+    def _release_ray(self) -> None:
+        global _RAY_USERS, _RAY_TMP
+        with _RAY_LOCK:
+            if not self._uses_ray:
+                return
+            self._uses_ray = False
+            _RAY_USERS -= 1
+            if _RAY_USERS == 0:
+                import shutil
+
+                import ray
+
+                ray.shutdown()
+                if _RAY_TMP:
+                    shutil.rmtree(_RAY_TMP, ignore_errors=True)
+                    _RAY_TMP = None
 
     def start(self, model_dir: str | Path, resume: str | Path | None = None,
               scheduler_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -105,16 +138,7 @@ class RayPolicyTrainer:
         if self.group is not None:
             self.group.stop()
             self.group = None
-        if self._own_ray:
-            import ray
-
-            ray.shutdown()
-            self._own_ray = False
-        if self._tmp:
-            import shutil
-
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        self._release_ray()
 
 
 __all__ = ["RayPolicyTrainer"]

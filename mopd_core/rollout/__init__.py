@@ -11,6 +11,7 @@ trainer, local teacher) goes through `score_completions`, so their numbers are c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,6 +20,8 @@ import torch
 from ..errors import DataError
 from ..algorithms.logprobs import LogitTransform, logits_scores, token_logprobs
 from ..models import forward, last_hidden_state, logit_transform, unwrap
+
+log = logging.getLogger("mopd")
 
 
 @dataclass
@@ -69,32 +72,83 @@ class CompletionScores:
     support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
 
 
+_BLOCK_MASK_WARN = 2**28  # elements of a block-diagonal mask (bool: 256 MiB) past which packing warns
+
+
+@dataclass
+class PackedRows:
+    """Rows of a batch back to back without padding (`train.packing`): what one forward over them reads."""
+
+    input_ids: torch.Tensor             # [1,L] each row's real prompt then completion tokens, row after row
+    position_ids: torch.Tensor          # [1,L] restarting at 0 in every row
+    attention_mask: torch.Tensor | None  # [1,1,L,L] block-diagonal causal (bool); None: the kernel reads the rows
+    #                                      from position_ids (flash_attention_2's varlen path)
+    predict_at: torch.Tensor            # [N] the position whose output predicts each real completion token, in
+    #                                     the order of `completion_mask.bool()` (row-major)
+
+
+def pack_rows(batch: RolloutBatch, block_mask: bool = True) -> PackedRows:
+    """Pack `batch` (left-padded prompts, right-padded completions; the completion mask a prefix of each row)
+    into one sequence of its real tokens. `block_mask`: build the [L,L] block-diagonal causal mask that sdpa and
+    eager attention need (quadratic in L: fine on CPU and short rows); with flash_attention_2 pass False."""
+    ids, pos, at = [], [], []
+    off = 0
+    for i in range(batch.size):
+        p = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+        c = batch.completion_ids[i][batch.completion_mask[i].bool()]
+        n = p.numel() + c.numel()
+        ids.append(torch.cat([p, c]))
+        pos.append(torch.arange(n, device=p.device))
+        at.append(off + p.numel() - 1 + torch.arange(c.numel(), device=p.device))  # token t ← position p-1+t
+        off += n
+    input_ids, position = torch.cat(ids)[None], torch.cat(pos)[None]
+    mask = None
+    if block_mask:
+        if off * off > _BLOCK_MASK_WARN:
+            log.warning("train.packing: a %d-token micro-batch needs a %d×%d attention mask with this model's "
+                        "attention (%.2g GiB; sdpa may also fall back to its unfused kernel) — use "
+                        "attn_implementation=flash_attention_2 (varlen, no mask) or a smaller "
+                        "train.max_tokens_per_micro_batch", off, off, off, off * off / 2**30)
+        seg = torch.repeat_interleave(torch.arange(len(ids), device=input_ids.device),
+                                      torch.tensor([x.numel() for x in ids], device=input_ids.device))
+        L = seg.numel()
+        causal = torch.ones(L, L, dtype=torch.bool, device=input_ids.device).tril()
+        mask = ((seg[:, None] == seg[None, :]) & causal)[None, None]
+    return PackedRows(input_ids, position, mask, torch.cat(at))
+
+
 def score_completions(model, batch: RolloutBatch, temperature: float = 1.0, *, impl: str = "chunked",
                       entropy: bool = False, top_k: int = 0, support_ids: torch.Tensor | None = None,
-                      micro_batch_size: int | None = None) -> CompletionScores:
+                      micro_batch_size: int | None = None, packed: bool = False) -> CompletionScores:
     """Every scorer's log-probs of the completion tokens under `model` (trainer, local teachers, eval): per
     token the log-prob (gradients flow outside `no_grad`), optionally the detached entropy, a top-k (under
     `no_grad`) and the log-probs of `support_ids [B,T,S]`. `impl="chunked"` projects only the real completion
     positions' final hidden states through `lm_head` in tiles (`algorithms.logprobs`: no `[T,V]` tensor, also in
-    backward); `"full"` is the model's own logits and a `log_softmax` over `[B,T,V]` (the path before chunking)."""
+    backward); `"full"` is the model's own logits and a `log_softmax` over `[B,T,V]` (the path before chunking).
+    `packed`: one forward over the rows' real tokens back to back (`pack_rows`: positions restart per row, a
+    block-diagonal mask, or flash-attention's varlen path when the model uses it), no padding computed; the
+    same numbers as the padded forward up to float rounding (tested)."""
     B, T = batch.completion_ids.shape
     step = micro_batch_size or B
     parts = []
     for s in range(0, B, step):
         sub = batch.select(range(s, min(B, s + step))) if step < B else batch
         sup = support_ids[s:s + step] if support_ids is not None else None
-        parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup))
+        parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup, packed))
     if len(parts) == 1:
         return parts[0]
     return CompletionScores(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
                               for f in ("logp", "entropy", "topk_ids", "topk_logp", "support_logp")))
 
 
-def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, support_ids) -> CompletionScores:
+def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, support_ids,
+                packed: bool = False) -> CompletionScores:
     T = sub.completion_ids.shape[1]
     ids, am = sub.input_ids(), sub.attention_mask()
     mask = sub.completion_mask.bool()
     kw = dict(entropy=entropy, top_k=top_k)
+    if packed:
+        return _score_packed(model, sub, mask, temperature, impl, support_ids, kw)
     if impl == "full":
         logits, _ = forward(model, ids, am, position_ids(am), logits_to_keep=T + 1)
         # position P-1+t predicts completion token t
@@ -111,6 +165,28 @@ def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, sup
     # masked_scatter keeps the result connected to the graph even when no position is real
     return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
         _trail(mask, x.dim() - 1), x) for x in (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+
+
+def _score_packed(model, sub: RolloutBatch, mask, temperature, impl, support_ids, kw) -> CompletionScores:
+    flash = getattr(unwrap(model).config, "_attn_implementation", None) == "flash_attention_2"
+    pk = pack_rows(sub, block_mask=not flash)
+    targets = sub.completion_ids[mask]
+    sup = None if support_ids is None else support_ids[mask]
+    if impl == "full":
+        logits, _ = forward(model, pk.input_ids, pk.attention_mask, pk.position_ids)
+        sc = logits_scores(logits[:, pk.predict_at], targets[None], temperature,
+                           support_ids=None if sup is None else sup[None], **kw)
+        flat = [None if x is None else x[0] for x in (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp,
+                                                      sc.support_logp)]
+    else:
+        hidden = last_hidden_state(model, pk.input_ids, pk.attention_mask, pk.position_ids)[0, pk.predict_at]
+        head = unwrap(model).get_output_embeddings()
+        softcap, scale = logit_transform(model)
+        sc = token_logprobs(hidden, head.weight, targets, LogitTransform(temperature, softcap, scale),
+                            bias=head.bias, impl=impl, support_ids=sup, **kw)
+        flat = [sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp]
+    return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
+        _trail(mask, x.dim() - 1), x) for x in flat))
 
 
 def _trail(mask: torch.Tensor, n: int) -> torch.Tensor:

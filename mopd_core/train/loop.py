@@ -272,7 +272,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                         with amp():
                             upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
                                                 recipe.rollout.temperature, rng, recipe.train.logprob_impl,
-                                                recipe.train.max_tokens_per_micro_batch)
+                                                recipe.train.max_tokens_per_micro_batch,
+                                                packed=recipe.train.packing)
                     else:  # the workers update; this copy follows them (the next rollout samples from it)
                         upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
                                              seed=rng.getrandbits(31))
@@ -421,7 +422,8 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random, logprob_impl: str = "chunked",
-            max_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> dict[str, float]:
+            max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
+            packed: bool = False) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
     `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
@@ -430,7 +432,9 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     rank must run as many forward/backward passes (each runs collectives), which a token budget does not
     guarantee: `agree(n)` returns the ranks' largest count (an all-reduce, as verl's dynamic batch size does), and
     a rank with fewer runs the rest as zero-weight passes over one of its rows. `perf/pad_frac`: the padding
-    share of the positions all forwards computed (the zero-weight passes count as computed)."""
+    share of the positions all forwards computed (the zero-weight passes count as computed). `packed`
+    (`train.packing`): each micro-batch's rows back to back without padding (`rollout.pack_rows`), the budget
+    counting real tokens."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -444,7 +448,7 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
         opt.zero_grad(set_to_none=True)
         n_mb = float(mask[mb].sum()) or 1.0
         if max_tokens is not None:
-            micros = token_budget_micro_batches(mb, *lens, max_tokens)
+            micros = token_budget_micro_batches(mb, *lens, max_tokens, packed=packed)
             if agree is not None:  # [] = a zero-weight pass that keeps this rank in step with the others
                 micros += [[] for _ in range(agree(len(micros)) - len(micros))]
         else:
@@ -458,9 +462,10 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             else:  # today's layout, untouched: the batch's full width (same numbers as before the budget)
                 sub, t = batch.select(rows), batch.completion_ids.shape[1]
             c, r = padded_positions(sub)
+            c = r if packed else c  # packed: only the real tokens are computed
             computed, real = computed + c, real + (0 if idle else r)
             sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True,
-                                   support_ids=routed.topk_ids[rows, :t] if use_jsd else None)
+                                   support_ids=routed.topk_ids[rows, :t] if use_jsd else None, packed=packed)
             logp, ent = sc.logp, sc.entropy
             mk = mask[rows, :t]
             tw = token_w[rows, :t] if token_w is not None else None

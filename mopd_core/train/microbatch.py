@@ -26,20 +26,24 @@ def row_lengths(batch: RolloutBatch) -> tuple[list[int], list[int]]:
 
 
 def token_budget_micro_batches(rows: Sequence[int], prompt_len: Sequence[int], completion_len: Sequence[int],
-                               budget: int) -> list[list[int]]:
+                               budget: int, packed: bool = False) -> list[list[int]]:
     """Split `rows` (indices into the length lists) into micro-batches whose padded size — rows × (longest
-    prompt + longest completion) — stays within `budget`. A row longer than the budget gets a micro-batch of
-    its own (the pre-flight warns about such a budget; failing mid-stage would lose the step)."""
+    prompt + longest completion) — stays within `budget`; `packed` (`train.packing`): whose real tokens do, as
+    verl and AReaL count them. A row longer than the budget gets a micro-batch of its own (the pre-flight warns
+    about such a budget; failing mid-stage would lose the step)."""
     order = sorted(rows, key=lambda r: (-(prompt_len[r] + completion_len[r]), r))  # index breaks ties: stable
     out: list[list[int]] = []
     cur: list[int] = []
     p_max = c_max = 0
+    used = 0
     for r in order:
         p, c = max(p_max, prompt_len[r]), max(c_max, completion_len[r])
-        if cur and (len(cur) + 1) * (p + c) > budget:
+        n = prompt_len[r] + completion_len[r]
+        if cur and ((used + n) if packed else (len(cur) + 1) * (p + c)) > budget:
             out.append(cur)
-            cur, p, c = [], prompt_len[r], completion_len[r]
+            cur, p, c, used = [], prompt_len[r], completion_len[r], 0
         cur.append(r)
+        used += n
         p_max, c_max = p, c
     if cur:
         out.append(cur)
