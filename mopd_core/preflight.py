@@ -119,6 +119,10 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
         log.warning("train.max_tokens_per_micro_batch=%d is below the longest row (data.max_prompt_tokens + "
                     "rollout.max_new_tokens = %d): such rows run alone, over the budget — raise it to at least %d",
                     budget, recipe.max_seq_len(), recipe.max_seq_len())
+    rt = recipe.runtime
+    if stage in ("recipe", "sft") and rt.strategy != "single" and recipe.sft.batch_size % rt.num_workers:
+        raise ConfigError(f"sft.batch_size={recipe.sft.batch_size} does not split over runtime.num_workers="
+                          f"{rt.num_workers} (it is the global batch); make it a multiple of {rt.num_workers}")
     if stage == "recipe" or not _is_mopd_free(stage):  # the mopd stage, or a recipe that will reach it
         t = recipe.teachers
         if t.endpoints and t.backend != "http":

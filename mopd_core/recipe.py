@@ -210,8 +210,13 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
     base = base or base_model(recipe)
     domains = build_domains(recipe)
     fp = sft_fingerprint(recipe, base)
+    trainer = None
+    if recipe.runtime.strategy != "single":  # TRL's Trainer in runtime.num_workers processes on Ray
+        from .distributed.sft import distributed_sft
+
+        trainer = distributed_sft(recipe)
     res = run_sft(recipe=recipe, base_path=base, domains=domains, stage_dir=recipe.run_dir() / "sft",
-                  fingerprint=fp, progress=progress)
+                  fingerprint=fp, progress=progress, trainer=trainer)
     return StageOutput("sft", res.final_dir, recipe.run_dir() / "sft", res.eval, time.perf_counter() - t0,
                        res.history)
 

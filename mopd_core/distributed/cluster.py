@@ -255,7 +255,8 @@ def _actor_options(spec: ClusterSpec, pg, bundle: int, name: str) -> dict[str, A
     return opts
 
 
-def _gather(refs: Sequence[Any], timeout_s: float, what: str, names: Sequence[str] | None = None) -> list[Any]:
+def _gather(refs: Sequence[Any], timeout_s: float | None, what: str,
+            names: Sequence[str] | None = None) -> list[Any]:
     """`ray.get` that fails fast: the first worker error is raised at once (its peers may be blocked in a
     collective that will never complete — `WorkerGroup.stop` kills them), and a deadline ends the wait. A worker
     that died (killed, out of memory, its node lost) becomes a `WorkerLostError` naming it (`names[i]` for
@@ -264,9 +265,10 @@ def _gather(refs: Sequence[Any], timeout_s: float, what: str, names: Sequence[st
     from ray.exceptions import RayActorError
 
     pending = list(refs)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else None  # None: as long as it takes
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             raise WorkerLostError(f"{what} did not finish within {timeout_s:g}s (a worker is stuck or gone); "
                                   "stop the group and check the worker logs")

@@ -38,6 +38,42 @@ _RAY_USERS = 0
 _RAY_TMP: str | None = None
 
 
+def acquire_ray(address: str | None, kind: str, num_workers: int) -> bool:
+    """Count one more user of this process's Ray, starting it (or joining `address`) for the first. Returns False
+    when some other code initialised Ray before any of ours: it is used as it is and never shut down here."""
+    global _RAY_USERS, _RAY_TMP
+    import ray
+
+    with _RAY_LOCK:
+        if _RAY_USERS == 0 and ray.is_initialized():
+            return False
+        if _RAY_USERS == 0:
+            if address:
+                init_ray(address=address)
+            else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
+                _RAY_TMP = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
+                res = {"num_cpus": max(num_workers, os.cpu_count() or 1)} if kind == "cpu" else {}
+                init_ray(tmp_dir=_RAY_TMP, **res)
+        _RAY_USERS += 1
+        return True
+
+
+def release_ray() -> None:
+    """One user fewer (after a True `acquire_ray`); the last one shuts Ray down."""
+    global _RAY_USERS, _RAY_TMP
+    with _RAY_LOCK:
+        _RAY_USERS -= 1
+        if _RAY_USERS == 0:
+            import shutil
+
+            import ray
+
+            ray.shutdown()
+            if _RAY_TMP:
+                shutil.rmtree(_RAY_TMP, ignore_errors=True)
+                _RAY_TMP = None
+
+
 class RayPolicyTrainer:
     """`train.loop.PolicyTrainer` on a Ray `WorkerGroup` of trainers only (the driver samples)."""
 
@@ -58,43 +94,12 @@ class RayPolicyTrainer:
         self._uses_ray = False
 
     def _ray(self) -> None:
-        """Count this trainer as a user of the process's Ray, starting (or joining) it for the first user. A Ray
-        some other code initialised before any trainer is used and never shut down here."""
-        global _RAY_USERS, _RAY_TMP
-        import ray
-
-        with _RAY_LOCK:
-            if _RAY_USERS == 0 and not ray.is_initialized():
-                if self.address:
-                    init_ray(address=self.address)
-                else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
-                    _RAY_TMP = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
-                    res = ({"num_cpus": max(self.spec.num_workers, os.cpu_count() or 1)}
-                           if self.spec.kind == "cpu" else {})
-                    init_ray(tmp_dir=_RAY_TMP, **res)
-                _RAY_USERS = 1
-            elif _RAY_USERS:
-                _RAY_USERS += 1
-            else:  # initialised by someone else: use it, leave it running
-                return
-            self._uses_ray = True
+        self._uses_ray = acquire_ray(self.address, self.spec.kind, self.spec.num_workers)
 
     def _release_ray(self) -> None:
-        global _RAY_USERS, _RAY_TMP
-        with _RAY_LOCK:
-            if not self._uses_ray:
-                return
+        if self._uses_ray:
             self._uses_ray = False
-            _RAY_USERS -= 1
-            if _RAY_USERS == 0:
-                import shutil
-
-                import ray
-
-                ray.shutdown()
-                if _RAY_TMP:
-                    shutil.rmtree(_RAY_TMP, ignore_errors=True)
-                    _RAY_TMP = None
+            release_ray()
 
     def start(self, model_dir: str | Path, resume: str | Path | None = None,
               scheduler_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -141,4 +146,4 @@ class RayPolicyTrainer:
         self._release_ray()
 
 
-__all__ = ["RayPolicyTrainer"]
+__all__ = ["RayPolicyTrainer", "acquire_ray", "release_ray"]

@@ -53,7 +53,10 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
 
 
 def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str, object], stage_dir: str | Path,
-            fingerprint: str, progress: bool = True) -> SFTResult:
+            fingerprint: str, progress: bool = True, trainer=None) -> SFTResult:
+    """`trainer(base_path, rows, stage_dir, domains) -> (history, state_dict, where)`: the training run in other
+    processes (`runtime.strategy` ddp/fsdp2: `distributed.sft`, one per device, each calling `train_process`);
+    this process then loads the trained weights, saves `final/` and evaluates."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
     if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
@@ -68,19 +71,45 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     # float32 master weights; the Trainer's bf16/fp16 flags below make runtime.dtype the compute dtype (autocast)
     model = load_model(base_path, dinfo.torch_device, devlib.TRAIN_MASTER_DTYPE)
     history: list[dict] = []
-    if cfg.steps > 0:
+    where = None
+    if cfg.steps > 0 and trainer is None:
         history = _train(recipe, model, tokenizer, rows, stage_dir, dinfo, progress, domains)
+    elif cfg.steps > 0:
+        history, state, where = trainer(base_path, rows, stage_dir, domains)
+        model.load_state_dict(state)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
     ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
                         recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)
     info = read_stage(stage_dir) or {}
     info.update({"status": "done", "final_dir": str(final_dir), "eval": ev, "steps": cfg.steps,
-                 "num_examples": len(rows)})
+                 "num_examples": len(rows), **({"distributed": where} if where else {})})
     write_stage(stage_dir, info)
     return SFTResult(final_dir, ev, history)
 
 
-def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool, domains) -> list[dict]:
+def train_process(recipe: RecipeConfig, base_path: str | Path, rows: list[dict], stage_dir: str | Path, domains,
+                  world: int) -> tuple[list[dict], dict | None, dict]:
+    """One of `world` processes of a distributed SFT (torch.distributed's RANK/WORLD_SIZE/MASTER_* already in
+    the environment: the Trainer's accelerate state joins them, gloo on CPU, nccl/hccl on devices): the same
+    `SFTTrainer` run, `sft.batch_size` split over the processes, DDP or FSDP2 (`runtime.strategy`). The main
+    process writes metrics and TRL's checkpoints; returns (history, the trained weights on CPU — main process
+    only, else None, how accelerate ran it)."""
+    dinfo = devlib.resolve(recipe.runtime.device)
+    model = load_model(base_path, dinfo.torch_device, devlib.TRAIN_MASTER_DTYPE)
+    trainer = _train(recipe, model, load_tokenizer(base_path), rows, Path(stage_dir), dinfo, False, domains,
+                     world=world, return_trainer=True)
+    history, tr = trainer
+    state = tr.accelerator.get_state_dict(tr.model)  # gathers FSDP shards (a collective: every process calls it)
+    acc = tr.accelerator
+    how = {"distributed_type": str(acc.distributed_type).split(".")[-1], "num_processes": acc.num_processes,
+           "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None)}
+    if not tr.is_world_process_zero():
+        return history, None, how
+    return history, {k: v.detach().cpu().clone() for k, v in state.items()}, how
+
+
+def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool, domains, world: int = 1,
+           return_trainer: bool = False):
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -95,11 +124,15 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
             if not logs or "loss" not in logs:
                 return
             loss = float(logs["loss"])
+            if not state.is_world_process_zero:  # the main process records; every process stops on NaN
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(f"sft: non-finite loss at step {state.global_step}")
+                return
             row = {"step": state.global_step, "loss": loss, "lr": float(logs.get("learning_rate", 0.0)),
                    "grad_norm": float(logs.get("grad_norm", 0.0) or 0.0),
                    **devlib.memory_stats(dinfo.kind)}
             step = state.global_step
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and world == 1:
                 ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
                                     recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed,
                                     cfg.eval_size)
@@ -114,8 +147,16 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
             bar.update(state.global_step, row)
 
     max_len = recipe.max_seq_len() + 1  # + the EOS TRL appends
+    fsdp = {}
+    # accelerate's FSDP2 (one unit per decoder layer) exists for accelerators only: on CPU its MULTI_CPU state runs
+    # DDP whatever the Trainer asks (distributed.sft warns; the RL/MOPD workers shard with torch FSDP2 on CPU too)
+    if world > 1 and recipe.runtime.strategy == "fsdp2" and dinfo.kind != "cpu":
+        fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={
+            "fsdp_version": 2, "reshard_after_forward": True,
+            "transformer_layer_cls_to_wrap": list(getattr(model, "_no_split_modules", None) or [])})
     args = SFTConfig(
-        output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
+        output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.batch_size // world,  # sft.batch_size stays the global batch
         learning_rate=cfg.lr, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=int(cfg.warmup_ratio * cfg.steps),
         weight_decay=cfg.weight_decay, logging_steps=cfg.logging_steps, save_steps=max(cfg.steps // 4, 50),
         save_total_limit=2, report_to=[], seed=recipe.seed, data_seed=recipe.seed,
@@ -123,12 +164,13 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
         completion_only_loss=True, disable_tqdm=True, bf16=recipe.runtime.dtype == "bfloat16",
         fp16=recipe.runtime.dtype == "float16", dataset_num_proc=None, save_only_model=False,
         gradient_checkpointing=recipe.train.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if recipe.train.gradient_checkpointing else None)
+        gradient_checkpointing_kwargs={"use_reentrant": False} if recipe.train.gradient_checkpointing else None,
+        ddp_find_unused_parameters=False if world > 1 else None, **fsdp)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=[_Track()])
     trainer.remove_callback(PrinterCallback)  # our callback logs; the printer would dump raw dicts
     resume = _last_trainer_ckpt(stage_dir)
-    if resume:
+    if resume and trainer.is_world_process_zero():
         _truncate(metrics_path, checkpoint_step(resume))
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -143,7 +185,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
         raise disk_full_error(stage_dir / "trainer", "an SFT trainer checkpoint", e) from e
     finally:
         bar.close()
-    return history
+    return (history, trainer) if return_trainer else history
 
 
 def _last_trainer_ckpt(stage_dir: Path) -> str | None:

@@ -239,3 +239,25 @@ def test_fsdp2_in_bfloat16_with_a_token_budget(sft_dir, tmp_path):
     with safe_open(str(outs["fsdp2"].model_dir / "model.safetensors"), "pt") as f:  # gathered master weights
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     assert _worst(_params(outs["fsdp2"].model_dir), _params(outs["single"].model_dir)) < 5e-3
+
+
+def test_sft_on_two_processes_through_trl_and_accelerate(tmp_path, caplog):
+    """Distributed SFT: TRL's SFTTrainer in 2 Ray processes joined by accelerate (gloo), the global batch split
+    over them. One metrics row per logged step (the main process writes), TRL's checkpoints, a final
+    model that loads, moved from the base and with a falling loss."""
+    cfg = _cfg(tmp_path, DIST)
+    base = R.base_model(cfg)
+    out = R.sft_stage(cfg, base, progress=False)
+    rows = _rows(out.stage_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (out.stage_dir / "trainer").exists() and json.loads((out.stage_dir / "stage.json").read_text())[
+        "status"] == "done"
+    assert _worst(_params(base), _params(out.model_dir)) > 1e-3
+    where = json.loads((out.stage_dir / "stage.json").read_text())["distributed"]
+    assert where["num_workers"] == 2 and [w["rank"] for w in where["workers"]] == [0, 1]
+    assert where["num_processes"] == 2  # accelerate saw both
+    # accelerate shards with FSDP on accelerators only; on CPU both run DDP (gloo), and the stage says so
+    assert (where["distributed_type"], where["fsdp_version"]) == ("MULTI_CPU", None)
+    assert "accelerate has no FSDP on CPU" in caplog.text
+    assert len({w["pid"] for w in where["workers"]} - {os.getpid()}) == 2  # two training processes, not this one
