@@ -40,16 +40,19 @@ class RuntimeConfig(_Model):
         "(OpenMP threads spin-wait and slow down under contention).")
     deterministic: bool = Field(True, description="Ask torch for deterministic algorithms where available.")
     memory_limit_gib: float | None = Field(
-        None, gt=0, description="Device memory the colocated phases may use (checked before any compute: train = "
-        "weights + grads + optimizer state; score = student + one teacher, or all teachers without "
-        "teachers.offload); None = the device's total (host RAM on cpu).")
+        None, gt=0, description="Memory of one device the colocated phases may use (checked before any compute: "
+        "train = float32 weights + grads + optimizer state, ÷ runtime.num_workers under fsdp2, + one micro-batch's "
+        "activations; score = student + one teacher, or all teachers without teachers.offload); None = the "
+        "device's total (host RAM on cpu).")
     num_workers: int = Field(
-        1, ge=1, description="Training workers of the expert and MOPD updates, one per device, on Ray (with "
-        "runtime.strategy ddp or fsdp2). The loop samples and scores in the driver from the gathered weights.")
+        1, ge=1, description="Training processes, one per device, on Ray (with runtime.strategy ddp or fsdp2): "
+        "the expert/MOPD updates (the loop samples and scores in the driver from the gathered weights) and SFT "
+        "(TRL's trainer in each, joined by accelerate; sft.batch_size is the global batch).")
     strategy: Literal["single", "ddp", "fsdp2"] = Field(
-        "single", description="How the RL/MOPD update runs: `single` in this process; `ddp` on num_workers Ray "
-        "workers with a replicated student; `fsdp2` sharding parameters, gradients and optimizer state over them "
-        "(torch fully_shard per decoder layer).")
+        "single", description="How training runs: `single` in this process; `ddp` on num_workers Ray workers "
+        "with a replicated student; `fsdp2` sharding parameters, gradients and optimizer state over them (torch "
+        "fully_shard per decoder layer; SFT through accelerate's FSDP2, which exists on GPU/NPU only — DDP on "
+        "CPU).")
     ray_address: str | None = Field(
         None, description="An existing Ray cluster to run the workers on (`ray start --head` …; e.g. "
         "`10.0.0.1:6379` or `auto`); None = start a local Ray for the stage.")

@@ -14,9 +14,8 @@ from pathlib import Path
 import logging
 
 from ..config import RecipeConfig
-from ..runtime import device as devlib
-from .cluster import ClusterSpec, _actor_options, _gather, _Worker, device_placement_group
-from .trainer import acquire_ray, release_ray
+from .cluster import _actor_options, _gather, _Worker, device_placement_group
+from .trainer import acquire_ray, recipe_spec, release_ray
 
 log = logging.getLogger("mopd")
 
@@ -40,10 +39,8 @@ class SFTWorker(_Worker):
 def distributed_sft(recipe: RecipeConfig):
     """`train.sft.run_sft`'s `trainer` for `runtime.num_workers` SFT processes on Ray."""
     rt = recipe.runtime
-    kind = devlib.resolve(rt.device).kind
-    spec = ClusterSpec(num_workers=rt.num_workers, kind=kind, dtype=rt.dtype, num_threads=rt.num_threads or 1,
-                       strategy=rt.ray_placement, rollout=False, train_strategy=rt.strategy,
-                       pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
+    spec = recipe_spec(recipe)
+    kind = spec.kind
 
     def run(base_path, rows, stage_dir: Path, domains) -> tuple[list[dict], dict, dict]:
         import ray
@@ -52,6 +49,9 @@ def distributed_sft(recipe: RecipeConfig):
         if kind == "cpu" and spec.train_strategy == "fsdp2":
             log.warning("sft: accelerate has no FSDP on CPU — its %d processes run DDP (replicated weights); "
                         "the expert and MOPD stages shard with torch FSDP2 on CPU too", spec.num_workers)
+        if recipe.sft.eval_every:
+            log.warning("sft: sft.eval_every=%d is not run with %d SFT processes (the final eval is)",
+                        recipe.sft.eval_every, spec.num_workers)
         uses = acquire_ray(rt.ray_address, kind, spec.num_workers)
         pg, actors = None, []
         try:

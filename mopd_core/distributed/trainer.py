@@ -74,20 +74,24 @@ def release_ray() -> None:
                 _RAY_TMP = None
 
 
+def recipe_spec(recipe: RecipeConfig) -> ClusterSpec:
+    """The trainers-only `ClusterSpec` of a recipe's `runtime` and `train` sections (RL workers and SFT
+    processes alike)."""
+    rt, tr = recipe.runtime, recipe.train
+    return ClusterSpec(num_workers=rt.num_workers, kind=devlib.resolve(rt.device).kind, dtype=rt.dtype,
+                       num_threads=rt.num_threads or 1, strategy=rt.ray_placement, train_strategy=rt.strategy,
+                       rollout=False, logprob_impl=tr.logprob_impl, gradient_checkpointing=tr.gradient_checkpointing,
+                       max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, packing=tr.packing,
+                       pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
+
+
 class RayPolicyTrainer:
     """`train.loop.PolicyTrainer` on a Ray `WorkerGroup` of trainers only (the driver samples)."""
 
     def __init__(self, recipe: RecipeConfig, loop_cfg: PolicyLoopConfig, stage: str) -> None:
         rt = recipe.runtime
-        kind = devlib.resolve(rt.device).kind
         self.stage = stage
-        self.spec = ClusterSpec(num_workers=rt.num_workers, kind=kind, dtype=rt.dtype,
-                                num_threads=rt.num_threads or 1, strategy=rt.ray_placement,
-                                train_strategy=rt.strategy, rollout=False, logprob_impl=recipe.train.logprob_impl,
-                                gradient_checkpointing=recipe.train.gradient_checkpointing,
-                                max_tokens_per_micro_batch=recipe.train.max_tokens_per_micro_batch,
-                                packing=recipe.train.packing,
-                                pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
+        self.spec = recipe_spec(recipe)
         self.loop_cfg = loop_cfg.model_dump(include=set(PolicyLoopConfig.model_fields))  # what the update reads
         self.address = rt.ray_address
         self.group: WorkerGroup | None = None
@@ -146,4 +150,4 @@ class RayPolicyTrainer:
         self._release_ray()
 
 
-__all__ = ["RayPolicyTrainer", "acquire_ray", "release_ray"]
+__all__ = ["RayPolicyTrainer", "acquire_ray", "recipe_spec", "release_ray"]

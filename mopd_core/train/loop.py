@@ -173,9 +173,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "
                               f"more than the {loop_cfg.steps} asked for; ask for at least that many steps, restart "
                               f"the stage (`--restart`; in a Prefect flow `refresh`) or choose another name")
+    st = load_loop_state(ckpts[-1]) if ckpts else {}  # optimizer + scheduler + step: read once
     if ckpts:  # resume — also extends a finished stage when only `steps` grew
         model_src = ckpts[-1] / "model"
-        start = load_loop_state(ckpts[-1])["step"]
+        start = st["step"]
     # float32 master weights whatever runtime.dtype (the compute dtype: autocast below, FSDP2's MixedPrecisionPolicy
     # in the workers); with a trainer this is the sampling copy, filled with the workers' float32 weights
     model = load_model(model_src, device, devlib.TRAIN_MASTER_DTYPE)
@@ -184,7 +185,6 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         enable_gradient_checkpointing(model)
     amp = partial(devlib.autocast, dinfo.kind, recipe.runtime.dtype)  # a fresh context per use
     opt = sched = None
-    st = load_loop_state(ckpts[-1]) if ckpts else {}
     if trainer is None:
         opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
                                 weight_decay=loop_cfg.weight_decay)
