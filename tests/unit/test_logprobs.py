@@ -157,6 +157,42 @@ def test_the_chunked_path_never_creates_a_logits_sized_tensor(impl):
         assert seen.largest <= max(16 * 128, V * H) < N * V
 
 
+def test_a_tile_is_never_wider_than_the_vocabulary(monkeypatch):
+    """A 100-token vocabulary under the default 8192-wide tiles: TRL's projection buffer is [tokens, width]
+    whatever the vocabulary, so uncapped it would be 16 × 8192; capped, nothing exceeds 16 × 100 (or N·H, V·H)
+    and the numbers are the same as with a one-tile width of exactly V."""
+    monkeypatch.setattr(LP, "VOCAB_CHUNK", 8192)
+    g = torch.Generator().manual_seed(1)
+    v = 100
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = (torch.randn(v, H, generator=g) * 0.5).requires_grad_(True)
+    t = torch.randint(0, v, (N,), generator=g)
+    with _LargestOutput() as seen:
+        out = token_logprobs(h, w, t, LogitTransform(0.9), entropy=True)
+        out.logp.sum().backward()
+    assert seen.largest <= max(16 * v, N * H, v * H) < 16 * 8192
+    ref = torch.log_softmax((h.detach().double() @ w.detach().double().t()) / 0.9, -1)
+    _close(out.logp, ref.gather(-1, t[:, None]).squeeze(-1))
+
+
+def test_sft_caps_trls_fused_lm_head_tile_at_the_vocabulary():
+    """`train.sft._lm_head_tile_width`: TRL's module constant is the vocabulary while training, restored after
+    (also on an error); vocabularies of 32k and more keep TRL's width."""
+    import trl.trainer.utils as trl_utils
+
+    from mopd_core.train.sft import _lm_head_tile_width
+
+    orig = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    with _lm_head_tile_width(97):
+        assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == 97
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == orig
+    with pytest.raises(RuntimeError), _lm_head_tile_width(97):
+        raise RuntimeError("boom")
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == orig
+    with _lm_head_tile_width(151_936):
+        assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == orig
+
+
 # ------------------------------------------------------------------------------------ through a model (rollout)
 
 

@@ -153,7 +153,8 @@ def test_without_a_budget_micro_batch_size_keeps_the_full_width():
 
 
 def test_budget_is_validated_and_fingerprinted_only_when_set(tmp_path):
-    cfg = load_config("tiny", tiny_overrides(tmp_path))
+    assert load_config("tiny").train.max_tokens_per_micro_batch == 2048  # the tiny preset's own budget
+    cfg = load_config("tiny", tiny_overrides(tmp_path) + ["train.max_tokens_per_micro_batch=null"])
     assert cfg.train.max_tokens_per_micro_batch is None
     with pytest.raises(ConfigError) as e:
         load_config("tiny", ["train.max_tokens_per_micro_batch=0"])
