@@ -349,35 +349,6 @@ def test_killed_server_is_restarted_and_batch_rescored(servers, world):
 
 
 @e2e_vllm
-def test_hung_server_is_killed_and_restarted_not_waited_for(servers, world):
-    """SIGSTOP (alive, silent): one request timeout + a /health probe, then kill and restart — not
-    request_timeout_s × retries of waiting."""
-    from mopd_core.teachers import LocalTeacher
-    from mopd_core.teachers.http import build_http_router
-
-    router = build_http_router(servers, _cfg(restarts=1, request_timeout_s=4, retries=3, max_concurrency=2),
-                               world["tok"])
-    t = router.teachers["m1"]
-    old_pid = servers.servers["m1"].pid
-    os.killpg(old_pid, signal.SIGSTOP)
-    b = world["batch"]
-    t0 = time.perf_counter()
-    try:
-        h = t.score(b)
-    finally:
-        if _group_alive(old_pid):
-            os.killpg(old_pid, signal.SIGCONT)
-    dt = time.perf_counter() - t0
-    lo = LocalTeacher("m1", world["m1"], "cpu").score(b)
-    assert _mean_abs(h.logp, lo.logp, b.completion_mask) <= 1e-4
-    # without the hang check the stopped server is never "dead": 4 timeouts, then TeacherUnavailable (no restart).
-    # (retries may still be > 0: the fresh server's first requests can time out on a loaded 2-core box)
-    assert t.stats["restarts"] == 1 and servers.restart_counts["m1"] == 1
-    assert servers.servers["m1"].pid != old_pid and not _group_alive(old_pid)
-    print(f"hang → kill → restart → re-score took {dt:.1f} s")
-
-
-@e2e_vllm
 def test_dead_server_without_restarts_fails_naming_teacher(servers, world):
     from mopd_core.teachers.http import TeacherUnavailable, build_http_router
 
@@ -400,7 +371,8 @@ def test_dead_server_without_restarts_fails_naming_teacher(servers, world):
 @e2e_vllm
 def test_no_server_left_running(servers, world):
     pids = servers.all_pids()
-    assert len(pids) == 4  # two starts + the two restarts above (killed m0, hung m1)
+    assert len(pids) == 3  # two starts + the restart above (killed m0); a hung server's restart is
+    # tests/reliability/test_faults_http.py's (SIGSTOP mid-stage: timeout, silent /health, kill, restart, re-score)
     servers.stop()
     assert not [p for p in pids if _group_alive(p)]
     left = []
