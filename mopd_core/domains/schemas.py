@@ -13,7 +13,7 @@ Schemas (`params.schema`; the default `auto` recognises the schema from the colu
                    LiveCodeBench, PrimeIntellect or TACO form) → fields.tests
     taco           BAAI/TACO (and APPS): question (+ starter_code) → prompt; input_output → fields.tests
     leetcode       newfacade/LeetCodeDataset: query (or meta.query) → prompt; test (`def check(candidate)`),
-                   entry_point → fields; its `prompt` column (the import prelude) → fields.import_prelude;
+                   entry_point → fields; its `prompt` column (the import prelude) → fields.import_prompt;
                    response (or meta.response) → fields.completion (the SFT target); its `completion` (the bare
                    solution) → fields.solution
     gsm8k          openai/gsm8k: question → prompt; the answer's `#### 42` line → answer "42" (thousands commas
@@ -26,7 +26,7 @@ Field contract (what the verifiers read): math → `answer` is the ground-truth 
 dropped); code → `fields["tests"]` = [{"input": str, "output": str, "testtype": "stdin" | "functional"}] and
 `fields["func_name"]` when any test is functional (functional input: one JSON value per line, one per argument;
 output: a JSON value — LiveCodeBench's form); LeetCode → `fields["test"]`, `fields["entry_point"]`,
-`fields["import_prelude"]`.
+`fields["import_prompt"]`.
 
 Column map (dataset `params`, all optional): `prompt_field`, `answer_field` (null: the rows have no answer),
 `teacher_id_field` (default `teacher_id`; rows without one get the domain name) and `fields: {name: path}` take
@@ -597,7 +597,7 @@ def _leetcode(row, cm) -> Adapted:
                           f"{_short(entry)})")
     fields: dict[str, Any] = {"test": test, "entry_point": entry}
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
-        fields["import_prelude"] = row["prompt"]
+        fields["import_prompt"] = row["prompt"]
     if "completion" in row:
         fields["solution"] = row["completion"]
     response = get_path(row, "response") if "response" in row else get_path(row, "meta.response")
@@ -661,7 +661,7 @@ _SCHEMA_LIST = (
     Schema("leetcode", ("query", "meta.query"), None, False, ("test", "entry_point"),
            ("query", "prompt", "completion", "response"), _leetcode,
            (("prompt", "query | meta.query"), ("fields.test", "test (def check(candidate))"),
-            ("fields.entry_point", "entry_point"), ("fields.import_prelude", "prompt"),
+            ("fields.entry_point", "entry_point"), ("fields.import_prompt", "prompt"),
             ("fields.completion", "response | meta.response"), ("fields.solution", "completion"))),
     Schema("gsm8k", ("question",), "answer", True, (), ("question", "answer"), _gsm8k,
            (("prompt", "question"), ("answer", "answer's '#### N' line"), ("fields.solution", "answer"))),

@@ -335,7 +335,7 @@ def test_leetcode_rows(tmp_path):
     (ex,) = exs
     assert ex.prompt == LEETCODE["query"] and ex.answer is None
     assert ex.fields["test"] == LEETCODE["test"] and ex.fields["entry_point"] == "Solution().twoSum"
-    assert ex.fields["import_prelude"] == LEETCODE["prompt"]
+    assert ex.fields["import_prompt"] == LEETCODE["prompt"]
     assert ex.fields["completion"] == LEETCODE["response"] and ex.fields["solution"] == LEETCODE["completion"]
     assert ex.fields["task_id"] == "two-sum" and "query" not in ex.fields and "response" not in ex.fields
     _round_trips(exs, tmp_path, "leetcode")
@@ -509,19 +509,24 @@ def test_data_check_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
 
 # ---- real-mini (written by the verifier work in data/real_mini) ------------------------------------------
 
-def _real_mini_dir() -> Path | None:
+REAL_MINI = {"math": "verl", "code_lcb": "livecodebench", "code_leetcode": "leetcode", "ifeval": "ifeval"}
+
+
+def _real_mini(name: str) -> Path | None:
     for d in (ROOT / "data" / "real_mini", Path("/tmp/wtA/data/real_mini")):
-        if all((d / f"{n}.jsonl").exists() for n in ("math", "code", "ifeval")):
-            return d
+        if (d / f"{name}.jsonl").exists():
+            return d / f"{name}.jsonl"
     return None
 
 
-@pytest.mark.parametrize("name", ["math", "code", "ifeval"])
+@pytest.mark.parametrize("name", sorted(REAL_MINI))
 def test_real_mini_files_load_in_their_hub_schema(name, tmp_path):
-    d = _real_mini_dir()
-    if d is None:
-        pytest.skip("data/real_mini/{math,code,ifeval}.jsonl not written yet (the verifier work adds them)")
-    exs, info = inspect_source(d / f"{name}.jsonl", default_teacher_id=name)
-    assert info.how == "recognised" and info.schema != "flat", info
+    path = _real_mini(name)
+    if path is None:
+        pytest.skip(f"data/real_mini/{name}.jsonl is not written yet (data/real_mini/build.py writes it)")
+    exs, info = inspect_source(path, default_teacher_id=name)
+    assert (info.schema, info.how) == (REAL_MINI[name], "recognised"), info
     assert exs and all(e.teacher_id for e in exs)
+    if name.startswith("code"):
+        assert all("tests" in e.fields or "test" in e.fields for e in exs)
     _round_trips(exs, tmp_path, name)
