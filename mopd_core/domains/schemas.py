@@ -683,7 +683,7 @@ def detect_schema(columns: Sequence[str], first_row: Mapping[str, Any] | None = 
         if {"instruction_id_list", "kwargs"} <= cols:
             return "ifeval"
         if {"test", "entry_point"} <= cols and cols & {"query", "meta"}:
-            return "leetcode"  # (a HumanEval file — prompt, test, entry_point, no query — is flat: its prompt is one)
+            return "leetcode"  # a HumanEval file (prompt, test, entry_point, no query) is flat: its prompt is one
         return "flat"
     if {"query", "test", "entry_point"} <= cols:
         return "leetcode"

@@ -152,8 +152,8 @@ IFEVAL = [
      "instruction_id_list": ["punctuation:no_comma", "detectable_format:number_highlighted_sections",
                              "length_constraints:number_words"],
      "kwargs": [{}, {"num_highlights": 3}, {"relation": "at least", "num_words": 300}]},
-    {"key": 1001, "prompt": "Answer in all lowercase letters.", "instruction_id_list": ["change_case:english_lowercase"],
-     "kwargs": [{}]},
+    {"key": 1001, "prompt": "Answer in all lowercase letters.",
+     "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]},
 ]
 
 
@@ -191,7 +191,8 @@ def _lcb_rows() -> list[dict]:
          "private_test_cases": _b64_zlib(pickle.dumps(json.dumps(private))),
          "metadata": json.dumps({"func_name": "twoSum"})},
         {"question_title": "A+B", "question_content": "Read A and B from standard input and print A+B.",
-         "platform": "atcoder", "question_id": "abc000_a", "contest_id": "abc000", "contest_date": "2023-08-26T00:00:00",
+         "platform": "atcoder", "question_id": "abc000_a", "contest_id": "abc000",
+         "contest_date": "2023-08-26T00:00:00",
          "starter_code": "", "difficulty": "easy",
          "public_test_cases": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
          "private_test_cases": json.dumps([{"input": "5 5\n", "output": "10\n", "testtype": "stdin"}]),
@@ -289,10 +290,12 @@ def test_deepcoder_parquet_and_jsonl(tmp_path):
 
 def test_taco_rows(tmp_path):
     rows = [
-        {"question": "Read two integers and print their sum.", "solutions": json.dumps(["print(sum(map(int, input().split())))"]),
+        {"question": "Read two integers and print their sum.",
+         "solutions": json.dumps(["print(sum(map(int, input().split())))"]),
          "starter_code": "", "input_output": json.dumps({"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}),
          "difficulty": "EASY", "source": "codeforces"},
-        {"question": "Complete the function is_even.", "solutions": json.dumps([]), "starter_code": "def is_even(n):\n\t",
+        {"question": "Complete the function is_even.", "solutions": json.dumps([]),
+         "starter_code": "def is_even(n):\n\t",
          "input_output": json.dumps({"fn_name": "is_even", "inputs": [[2], [3]], "outputs": [[True], [False]]}),
          "difficulty": "EASY", "source": "codewars"},
     ]
@@ -324,7 +327,8 @@ LEETCODE = {
     "entry_point": "Solution().twoSum",
     "test": "def check(candidate):\n    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]\n",
     "input_output": [{"input": "nums = [3,3], target = 6", "output": "[0, 1]"}],
-    "query": "You are an expert Python programmer. ... Given an array of integers nums ...\n```python\nclass Solution:\n```",
+    "query": ("Given an array of integers nums ...\nPlease complete the following python code precisely:\n"
+              "```python\nclass Solution:\n```"),
     "response": "Use a hash map.\n```python\nclass Solution:\n    ...\n```",
 }
 
@@ -380,9 +384,11 @@ def test_aime_style_files(tmp_path):
         assert exs[0] == Example("Find the number of ...", "math", "204",
                                  {"id": 60, "solution": "...", "url": "u", "year": 2024})
     _round_trips(exs, tmp_path, "aime")
-    q = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}, {"question": "3.0 as an integer?", "answer": 3.0}]
+    q = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"},
+         {"question": "3.0 as an integer?", "answer": 3.0}]
     exs, info = inspect_source(_jsonl(tmp_path / "a25.jsonl", q), default_teacher_id="math")
-    assert info.schema == "aime" and [e.answer for e in exs] == ["\\frac{3}{4}", "3"] and exs[0].prompt == q[0]["question"]
+    assert info.schema == "aime" and [e.answer for e in exs] == ["\\frac{3}{4}", "3"]
+    assert exs[0].prompt == q[0]["question"]
 
 
 # ---- the column map --------------------------------------------------------------------------------------
