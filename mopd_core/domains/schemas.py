@@ -315,6 +315,26 @@ def plain_unpickle(data: bytes, col: str = "the column") -> Any:
                           "JSON") from None
 
 
+def _decode_compressed(text: str, col: str) -> Any:
+    """base64(zlib(pickle(...))) → the pickled value (JSON text decoded), through `plain_unpickle`."""
+    try:
+        raw = base64.b64decode(text.encode("ascii", "replace"))
+    except (binascii.Error, ValueError):
+        raise DomainError(f"'{col}' is neither JSON nor base64 text (LiveCodeBench's compressed form); check the "
+                          "column") from None
+    d = zlib.decompressobj()
+    try:
+        data = d.decompress(raw, _MAX_DECOMPRESSED)
+    except zlib.error:
+        raise DomainError(f"'{col}' is neither JSON nor base64 of zlib data (LiveCodeBench's compressed form); "
+                          "check the column") from None
+    if d.unconsumed_tail:
+        raise DomainError(f"'{col}' decompresses to over {_MAX_DECOMPRESSED >> 30} GiB; split the tests or store "
+                          "them as JSON")
+    value = plain_unpickle(data, col)
+    return _json_value(value, col) if isinstance(value, (str, bytes)) else value
+
+
 def decode_test_blob(value: Any, col: str) -> list:
     """A LiveCodeBench test-case column: JSON text, or base64(zlib(pickle(JSON text))) as its private tests are
     published, or an already decoded list; "" / None → []."""
@@ -329,23 +349,7 @@ def decode_test_blob(value: Any, col: str) -> list:
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
-            try:
-                raw = base64.b64decode(text.encode("ascii", "replace"))
-            except (binascii.Error, ValueError):
-                raise DomainError(f"'{col}' is neither JSON nor base64 text (LiveCodeBench's compressed form); "
-                                  "check the column") from None
-            d = zlib.decompressobj()
-            try:
-                data = d.decompress(raw, _MAX_DECOMPRESSED)
-            except zlib.error:
-                raise DomainError(f"'{col}' is neither JSON nor base64 of zlib data (LiveCodeBench's compressed "
-                                  "form); check the column") from None
-            if d.unconsumed_tail:
-                raise DomainError(f"'{col}' decompresses to over {_MAX_DECOMPRESSED >> 30} GiB; split the tests or "
-                                  "store them as JSON")
-            value = plain_unpickle(data, col)
-            if isinstance(value, (str, bytes)):
-                value = _json_value(value, col)
+            value = _decode_compressed(text, col)
     if not isinstance(value, (list, tuple)):
         raise DomainError(f"'{col}' must hold a list of test cases (got {type(value).__name__}); check the column")
     return list(value)

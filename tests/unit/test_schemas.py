@@ -486,7 +486,8 @@ def test_filter_long_prompts_counts_and_logs_once(caplog):
 # ---- mopd data check -------------------------------------------------------------------------------------
 
 def test_data_check_prints_schema_mapping_counts_and_first_row(tmp_path, capsys):
-    rows = [_verl_row(0, "What is 6*7?", "42"), _verl_row(1, "b", "1"), dict(_verl_row(2, "c", "2"), teacher_id="x")]
+    rows = [dict(_verl_row(0, "What is 6*7?", "42"), teacher_id=None), dict(_verl_row(1, "b", "1"), teacher_id=None),
+            dict(_verl_row(2, "c", "2"), teacher_id="x")]  # a null teacher_id: the domain's name
     path = _parquet(tmp_path / "math.parquet", rows)
     assert cli.main(["data", "check", str(path)]) == 0
     out = capsys.readouterr().out
