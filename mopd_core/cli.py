@@ -6,6 +6,7 @@
     mopd stage mopd   --config tiny --init runs/tiny/sft/final --teacher math=PATH --teacher code=PATH ...
     mopd stage eval   --config tiny --model sft=PATH --model student=PATH
     mopd config show  --config tiny [--set ...]
+    mopd data check   data/math.parquet [--schema verl] [--set prompt_field=question ...] [--name math]
 
 Bad input (a `MopdError`) exits with status 2 and one line `error: <message>` naming the problem and the fix,
 before any compute (`MOPD_TRACEBACK=1` adds the traceback). Anything else — a bug, a failure of the
@@ -61,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="show the resolved config")
     c.add_argument("action", choices=["show"])
     _common(c)
+    d = sub.add_parser("data", help="inspect a dataset source as the loader reads it")
+    d.add_argument("action", choices=["check"])
+    d.add_argument("source", help="a .jsonl / .json / .parquet file or a datasets save_to_disk directory")
+    d.add_argument("--schema", help="auto (default), flat, verl, ifeval, livecodebench, deepcoder, taco, leetcode, "
+                   "gsm8k or aime")
+    d.add_argument("--set", "-s", dest="params", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dataset param as in data.domains[].params: prompt_field=question, "
+                   "answer_field=reward_model.ground_truth, fields.tests=input_output, teacher_id_field=domain, "
+                   "answer_join=', ', split=train (repeatable)")
+    d.add_argument("--name", help="the domain name, the teacher_id of rows without one (default: the source's "
+                   "file name without extension)")
     return ap
 
 
@@ -88,6 +100,8 @@ def _run(args) -> int:
     from .config import load_config
     from .errors import ConfigError
 
+    if args.cmd == "data":
+        return _data_check(args)
     cfg = load_config(args.config, args.overrides)
     progress = not args.no_progress
     if args.cmd == "config":
@@ -132,6 +146,74 @@ def _run(args) -> int:
         return 0
     print(json.dumps({"stage": out.stage, "model_dir": str(out.model_dir), "eval": out.eval,
                       "wall_s": round(out.wall_s, 1)}))
+    return 0
+
+
+# ---- mopd data check ----------------------------------------------------------------------------------------
+
+def render_preview(example) -> str | None:
+    """Hook for `mopd data check`: the first row rendered through the prompt formatter (chat template, system
+    prompt, suffix) as the recipe would feed it. Not wired yet — the formatter lands separately — so it returns
+    None and the check prints the prompt / messages only."""
+    return None
+
+
+def _preview(v, limit: int = 400):
+    """A display copy of a row: long strings and lists shortened (LiveCodeBench rows carry megabytes of tests)."""
+    if isinstance(v, str):
+        return v if len(v) <= limit else f"{v[:limit]}… (+{len(v) - limit} chars)"
+    if isinstance(v, dict):
+        return {k: _preview(x, limit) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        head = [_preview(x, limit) for x in v[:5]]
+        return head + [f"… (+{len(v) - 5} more)"] if len(v) > 5 else head
+    return v
+
+
+def _data_check(args) -> int:
+    from collections import Counter
+    from pathlib import Path
+
+    from .config import apply_overrides
+    from .domains.dataset import inspect_source
+    from .domains.schemas import COLUMN_MAP_PARAMS
+    from .errors import ConfigError
+
+    params = apply_overrides({}, args.params)
+    accepted = ("split", *COLUMN_MAP_PARAMS)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ConfigError(f"--set {unknown[0]}=…: not a dataset param of `mopd data check`; accepted: "
+                          f"{', '.join(accepted)}")
+    if args.schema is not None:
+        if params.get("schema") not in (None, args.schema):
+            raise ConfigError(f"--schema {args.schema} and --set schema={params['schema']} disagree; give one")
+        params["schema"] = args.schema
+    split = params.pop("split", None)
+    name = args.name or Path(args.source).stem
+    examples, info = inspect_source(args.source, split=split, column_map=params, default_teacher_id=name)
+    how = {"given": "(given)", "recognised": "(recognised from the columns)",
+           "fallback": "(no known schema matched: read as flat)"}[info.how]
+    print(f"source:  {info.source}" + (f" (split {split})" if split else ""))
+    print(f"schema:  {info.schema} {how}")
+    print(f"columns: {', '.join(info.columns)}")
+    print("mapping:")
+    width = max(len(t) for t, _ in info.mapping)
+    for target, src in info.mapping:
+        print(f"  {target.ljust(width)}  <- {src}")
+    print(f"rows:    {info.rows}")
+    print("rows per teacher_id:")
+    for tid, n in sorted(Counter(e.teacher_id for e in examples).items()):
+        print(f"  {tid}: {n}")
+    first = examples[0]
+    print("first row (as an Example):")
+    print(json.dumps(_preview(first.to_dict()), indent=2, ensure_ascii=False, default=str))
+    print("prompt as chat messages" + (":" if first.is_chat else " (a string prompt is one user turn):"))
+    for m in first.prompt_messages():
+        print(f"  [{m['role']}] {_preview(m['content'])}")
+    rendered = render_preview(first)
+    print("rendered: " + (rendered if rendered is not None else
+                          "(the prompt formatter is not wired into `mopd data check` yet)"))
     return 0
 
 

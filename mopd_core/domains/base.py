@@ -76,32 +76,94 @@ class FrozenFields(Mapping):
         return _thaw(self)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _freeze_messages(messages: Any) -> tuple[FrozenFields, ...]:
+    """Validate chat messages and store them as a tuple of immutable {"role", "content"} mappings."""
+    if isinstance(messages, Mapping) or not isinstance(messages, (list, tuple)):
+        raise DomainError(f"prompt must be a string or a list of chat messages (got {type(messages).__name__}); "
+                          "write a string or [{\"role\": \"user\", \"content\": ...}]")
+    if not messages:
+        raise DomainError("prompt is an empty list of chat messages; give at least one "
+                          "{\"role\": \"user\", \"content\": ...}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise DomainError(f"prompt message {j} is a {type(m).__name__}, not a {{role, content}} mapping; write "
+                              "each message as {\"role\": ..., \"content\": ...}")
+        # parquet struct columns fill absent keys with null: those carry nothing and are ignored
+        extra = sorted(str(k) for k, v in m.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise DomainError(f"prompt message {j} has keys {extra} besides role/content; messages carry only "
+                              "'role' and 'content' (ShareGPT's from/value: map human→user, gpt→assistant)")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise DomainError(f"prompt message {j}: role {role!r} is not one of {', '.join(CHAT_ROLES)}; rename it "
+                              "(e.g. human→user, gpt→assistant)")
+        if not isinstance(content, str):
+            raise DomainError(f"prompt message {j} ({role}): content must be a string (got "
+                              f"{type(content).__name__}); multimodal or null content is not supported")
+        out.append(FrozenFields({"role": role, "content": content}))
+    if not any(m["content"].strip() for m in out):
+        raise DomainError("prompt: every chat message has empty content; give the user turn its text")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt of one domain.
 
-    prompt:     the raw prompt string fed to the tokenizer (no chat template is applied here).
+    prompt:     a raw prompt string, or chat messages: a tuple of immutable {"role", "content"} mappings (a list
+                of dicts is accepted and frozen). How either becomes token ids is the prompt formatter's job;
+                `prompt_messages()` / `prompt_text()` give the two views of it.
     teacher_id: the domain name; routes the sample to its teacher.
-    answer:     reference completion (SFT target; exact-match/contains verifiers), without EOS.
+    answer:     reference answer (SFT target unless fields["completion"]; the math/exact-match verifiers' ground
+                truth), without EOS.
     fields:     extra verifier fields (e.g. "tests" for code_tests); stored immutable and hashable.
     """
 
-    prompt: str
+    prompt: str | tuple[Mapping[str, str], ...]
     teacher_id: str
     answer: str | None = None
     fields: Mapping[str, Any] = field(default_factory=FrozenFields)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", _freeze_messages(self.prompt))
         if not isinstance(self.fields, FrozenFields):
             object.__setattr__(self, "fields", FrozenFields(self.fields))
 
+    @property
+    def is_chat(self) -> bool:
+        """True when the prompt is chat messages rather than a raw string."""
+        return not isinstance(self.prompt, str)
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """The prompt as chat messages (plain dicts): a string prompt is one user turn."""
+        if isinstance(self.prompt, str):
+            return [{"role": "user", "content": self.prompt}]
+        return [{"role": m["role"], "content": m["content"]} for m in self.prompt]
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly row (`fields` flattened into columns), the inverse of the dataset loader."""
-        row: dict[str, Any] = {"prompt": self.prompt, "teacher_id": self.teacher_id}
+        """A JSON-friendly row (`fields` flattened into columns, messages as a list of dicts), the inverse of the
+        dataset loader."""
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt_messages()
+        row: dict[str, Any] = {"prompt": prompt, "teacher_id": self.teacher_id}
         if self.answer is not None:
             row["answer"] = self.answer
         row.update(self.fields.to_dict())
         return row
+
+
+def prompt_text(prompt: Example | str | Sequence[Mapping[str, str]]) -> str:
+    """Plain text of a prompt (an Example's, a string, or messages) for logs, previews and text-only consumers: a
+    string as is; messages → their contents joined by a blank line (no role markers, no chat template — render
+    with the prompt formatter for token ids). A single user turn gives exactly its content."""
+    p = prompt.prompt if isinstance(prompt, Example) else prompt
+    if isinstance(p, str):
+        return p
+    return "\n\n".join(m["content"] for m in _freeze_messages(p))
 
 
 def exact_match(completion: str, answer: str | None) -> float:
@@ -192,9 +254,11 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
     source "synthetic:<kind>": a registered synthetic domain (its own exact-match reward; `params` go to its
                                factory, unknown params are an error).
     any other string:         a dataset path (.jsonl / .json / .parquet / `datasets.save_to_disk` dir); the
-                               rows whose teacher_id == name become a DatasetDomain. `params` may hold
-                               `split` (for a DatasetDict dir), `verifier` (same as the argument) and
-                               `max_eval_fraction`.
+                               rows whose teacher_id == name become a DatasetDomain (rows without a teacher_id
+                               get `name`). `params` may hold `split` (for a DatasetDict dir), `verifier`
+                               (same as the argument), `max_eval_fraction`, and the column map (`schema`,
+                               `prompt_field`, `answer_field`, `fields`, `teacher_id_field`, `answer_join`:
+                               see `schemas`).
     verifier: dataset sources only (default exact_match); synthetic domains accept only None/"exact_match".
     """
     if not isinstance(name, str) or not name:
@@ -213,8 +277,9 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         return factory(name=name, eval_size=eval_size, seed=seed, **params)
 
     from .dataset import DatasetDomain, load_examples_cached
+    from .schemas import COLUMN_MAP_PARAMS
 
-    known = {"split", "verifier", "max_eval_fraction"}
+    known = {"split", "verifier", "max_eval_fraction", *COLUMN_MAP_PARAMS}
     unknown = sorted(set(params) - known)
     if unknown:
         raise DomainError(f"domain '{name}': unknown params {unknown} for dataset source {source}; accepted: "
@@ -223,7 +288,8 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         raise DomainError(f"domain '{name}': verifier given twice ({verifier!r} and params.verifier="
                           f"{params['verifier']!r}); keep one")
     v = verifier or params.get("verifier") or "exact_match"
-    examples = load_examples_cached(source, split=params.get("split"))
+    examples = load_examples_cached(source, split=params.get("split"), column_map=params,
+                                    default_teacher_id=name)
     kwargs = {}
     if "max_eval_fraction" in params:
         kwargs["max_eval_fraction"] = params["max_eval_fraction"]

@@ -1,70 +1,130 @@
 """Dataset-backed domains: load rows from a file, validate them up front, split a fixed held-out eval set.
 
 Formats: `.jsonl` (one object per line), `.json` (a list of objects), `.parquet`, or a directory written by
-`datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (then `split` is required). Columns: `prompt` and
-`teacher_id` are required, `answer` is optional, every other column goes into `Example.fields` for the
-verifier (e.g. `tests` for code_tests). Every problem is a one-line `DomainError` naming the file, column or
-row and the fix, raised before any compute starts. `datasets`/`pyarrow` are imported only when needed.
+`datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (then `split` is required). Columns: mopd's flat
+format (`prompt` — a string or chat messages — and `teacher_id` required, `answer` optional, every other column
+into `Example.fields` for the verifier, e.g. `tests` for code_tests) or one of the hub schemas of `schemas`
+(verl RL parquet, IFEval, LiveCodeBench, DeepCoder, TACO, LeetCodeDataset, GSM8K, AIME-style), chosen by the
+column map (`params.schema`, default auto). Loaded as a domain, rows without a teacher_id get the domain's name.
+Every problem is a one-line `DomainError` naming the file, column or row and the fix, raised before any compute
+starts. `datasets`/`pyarrow` are imported only when needed. `filter_long_prompts` drops (and counts, and logs)
+prompts over a token budget.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from .base import Domain, DomainError, Example
+from .schemas import ColumnMap, SourceInfo, to_examples
+
+log = logging.getLogger("mopd")
 
 SUPPORTED = (".jsonl", ".json", ".parquet")
 _FORMATS = "a .jsonl, .json or .parquet file, or a datasets save_to_disk directory"
-REQUIRED = ("prompt", "teacher_id")
 
 
-def load_examples(path: str | os.PathLike, *, split: str | None = None) -> list[Example]:
-    """Load and validate every row of `path` into Examples (see the module docstring for formats/columns)."""
+def load_examples(path: str | os.PathLike, *, split: str | None = None,
+                  column_map: ColumnMap | Mapping[str, Any] | None = None,
+                  default_teacher_id: str | None = None) -> list[Example]:
+    """Load and validate every row of `path` into Examples (see the module docstring for formats/columns).
+
+    column_map: a domain's `params` (only the column-map keys are read: schema, prompt_field, answer_field,
+                fields, teacher_id_field, answer_join) or a `ColumnMap`.
+    default_teacher_id: the teacher_id of rows that have none (the domain name); None = every row needs one.
+    """
+    return inspect_source(path, split=split, column_map=column_map, default_teacher_id=default_teacher_id)[0]
+
+
+def inspect_source(path: str | os.PathLike, *, split: str | None = None,
+                   column_map: ColumnMap | Mapping[str, Any] | None = None,
+                   default_teacher_id: str | None = None) -> tuple[list[Example], SourceInfo]:
+    """`load_examples` plus what the loader made of the file: the schema (given / recognised), its columns and
+    where each Example attribute comes from (`mopd data check` prints it)."""
+    cm = ColumnMap.from_params(column_map)
+    rows, columns, p = _read(path, split)
+    return to_examples(rows, str(p), columns, cm, default_teacher_id)
+
+
+def _read(path: str | os.PathLike, split: str | None) -> tuple[list[dict], list[str] | None, Path]:
     p = Path(path)
     if not p.exists():
         raise DomainError(f"dataset not found: {p} (check the path; expected {_FORMATS})")
     if p.is_dir():
         rows, columns = _read_datasets_dir(p, split)
-    else:
-        ext = p.suffix.lower()
-        if ext not in SUPPORTED:
-            raise DomainError(f"unsupported dataset file {p}: extension '{p.suffix or '(none)'}'; convert it to "
-                              f"{_FORMATS}")
-        if split is not None:
-            raise DomainError(f"split={split!r} given for {p}, but only a DatasetDict directory has splits; "
-                              "remove split")
-        try:
-            if ext == ".jsonl":
-                rows, columns = _read_jsonl(p), None
-            elif ext == ".json":
-                rows, columns = _read_json(p), None
-            else:
-                rows, columns = _read_parquet(p)
-        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
-            raise DomainError(f"cannot read dataset {p} ({type(e).__name__}: {_one_line(e)}); give a readable "
-                              "UTF-8 file") from None
-    return _to_examples(rows, p, columns)
+        return rows, columns, p
+    ext = p.suffix.lower()
+    if ext not in SUPPORTED:
+        raise DomainError(f"unsupported dataset file {p}: extension '{p.suffix or '(none)'}'; convert it to "
+                          f"{_FORMATS}")
+    if split is not None:
+        raise DomainError(f"split={split!r} given for {p}, but only a DatasetDict directory has splits; "
+                          "remove split")
+    try:
+        if ext == ".jsonl":
+            rows, columns = _read_jsonl(p), None
+        elif ext == ".json":
+            rows, columns = _read_json(p), None
+        else:
+            rows, columns = _read_parquet(p)
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not UTF-8 text
+        raise DomainError(f"cannot read dataset {p} ({type(e).__name__}: {_one_line(e)}); give a readable "
+                          "UTF-8 file") from None
+    return rows, columns, p
 
 
 @lru_cache(maxsize=16)
-def _cached(resolved: str, mtime_ns: int, size: int, split: str | None) -> tuple[Example, ...]:
-    return tuple(load_examples(resolved, split=split))
+def _cached(resolved: str, mtime_ns: int, size: int, split: str | None, cm: ColumnMap,
+            default_teacher_id: str | None) -> tuple[Example, ...]:
+    return tuple(load_examples(resolved, split=split, column_map=cm, default_teacher_id=default_teacher_id))
 
 
-def load_examples_cached(path: str | os.PathLike, *, split: str | None = None) -> list[Example]:
-    """`load_examples`, memoised on (path, mtime, size, split): several domains usually share one file."""
+def load_examples_cached(path: str | os.PathLike, *, split: str | None = None,
+                         column_map: ColumnMap | Mapping[str, Any] | None = None,
+                         default_teacher_id: str | None = None) -> list[Example]:
+    """`load_examples`, memoised on (path, mtime, size, split, column map, default teacher_id): several domains
+    usually share one file."""
     p = Path(path)
+    cm = ColumnMap.from_params(column_map)
     if not p.exists():
         return load_examples(p, split=split)  # raises the not-found error
     st = p.stat()
-    return list(_cached(str(p.resolve()), st.st_mtime_ns, st.st_size, split))
+    return list(_cached(str(p.resolve()), st.st_mtime_ns, st.st_size, split, cm, default_teacher_id))
+
+
+def filter_long_prompts(examples: Sequence[Example], max_tokens: int, count_tokens: Callable[[Example], int], *,
+                        source: str = "the dataset") -> tuple[list[Example], int]:
+    """Drop the examples whose prompt is over `max_tokens` (as `count_tokens(example)` measures it — the caller's
+    tokenizer and chat formatting), keeping order: (kept, dropped_count). A drop is logged once (logger `mopd`,
+    one warning line with the count and `source`) instead of failing mid-run; an input with nothing left is an
+    error, raised before compute."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise DomainError(f"filter_long_prompts: max_tokens must be an int >= 1 (got {max_tokens!r}); set "
+                          "data.max_prompt_tokens")
+    kept, dropped, longest, shortest = [], 0, 0, None
+    for e in examples:
+        n = int(count_tokens(e))
+        if n > max_tokens:
+            dropped += 1
+            longest = max(longest, n)
+            shortest = n if shortest is None else min(shortest, n)
+        else:
+            kept.append(e)
+    if dropped and not kept:
+        raise DomainError(f"every prompt of {source} ({dropped}) is over {max_tokens} tokens (the shortest has "
+                          f"{shortest}); raise data.max_prompt_tokens or shorten the prompts")
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts over %d tokens (longest %d); raise data.max_prompt_tokens to "
+                    "keep them", source, dropped, len(examples), max_tokens, longest)
+    return kept, dropped
 
 
 # ---- readers ----------------------------------------------------------------------------------------------
@@ -143,36 +203,6 @@ def _one_line(e: BaseException) -> str:
 
 
 # ---- validation -------------------------------------------------------------------------------------------
-
-def _to_examples(rows: Sequence[Mapping[str, Any]], p: Path, columns: list[str] | None) -> list[Example]:
-    if not rows:
-        raise DomainError(f"dataset {p} is empty (0 rows); add rows with columns prompt, teacher_id[, answer]")
-    if columns is not None:  # tabular formats: the schema names every column once
-        for col in REQUIRED:
-            if col not in columns:
-                raise DomainError(f"{p} has no column '{col}'; columns present: {', '.join(columns)}; add or "
-                                  f"rename a column to '{col}'")
-    out = []
-    for i, row in enumerate(rows):
-        for col in REQUIRED:
-            if col not in row:
-                raise DomainError(f"{p} row {i} has no column '{col}'; columns present: {', '.join(row)}; every "
-                                  f"row needs '{col}'")
-        prompt, tid, answer = row["prompt"], row["teacher_id"], row.get("answer")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DomainError(f"{p} row {i}: empty or non-string prompt ({prompt!r}); give every row a non-empty "
-                              "prompt string")
-        if not isinstance(tid, str) or not tid.strip():
-            raise DomainError(f"{p} row {i}: teacher_id must be a non-empty string (got {type(tid).__name__} "
-                              f"{tid!r}); use the domain name, e.g. \"math\"")
-        if answer is not None and not isinstance(answer, str):
-            raise DomainError(f"{p} row {i}: answer must be a string or null (got {type(answer).__name__} "
-                              f"{answer!r}); quote it, e.g. \"{answer}\"")
-        fields = {k: v for k, v in row.items()
-                  if k not in ("prompt", "teacher_id", "answer") and not k.startswith("__index_level_")}
-        out.append(Example(prompt=prompt, teacher_id=tid, answer=answer, fields=fields))
-    return out
-
 
 def check_teacher_ids(examples: Iterable[Example], known_teacher_ids: Iterable[str], source: str = "the dataset"
                       ) -> None:
