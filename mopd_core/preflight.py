@@ -263,7 +263,6 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
 
     limit = recipe.data.max_prompt_tokens
     fix = f"raise data.max_prompt_tokens (now {limit})"
-    seen: set[tuple[str, Any]] = set()
     for spec in recipe.data.domains:
         if spec.name not in domains:
             continue
@@ -276,12 +275,11 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
                                     f"{e.prompt[:40]!r} has {len(ids)} tokens, over data.max_prompt_tokens={limit} — "
                                     f"{fix} or shorten the task (params)")
             continue
-        key = (spec.source, spec.params.get("split"))
-        if key in seen:
-            continue
-        seen.add(key)
-        rows = load_examples_cached(spec.source, split=key[1])
-        for i, (e, ids) in enumerate(zip(rows, prompt_ids(tokenizer, [e.prompt for e in rows]))):
+        # the domain's own rows (a shared file's other rows are its other domains'), read with its column map
+        rows = [(i, e) for i, e in enumerate(load_examples_cached(
+            spec.source, split=spec.params.get("split"), column_map=spec.params, default_teacher_id=spec.name))
+            if e.teacher_id == spec.name]
+        for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e.prompt for _, e in rows])):
             if len(ids) > limit:
                 raise DataError(f"{spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
                                 f"data.max_prompt_tokens={limit} ({e.prompt[:40]!r}…) — {fix} or drop the row")

@@ -61,9 +61,11 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
     from .domains import check_teacher_ids, load_examples_cached
 
     known = recipe.domain_names()
-    for src in sorted({d.source for d in recipe.data.domains if not d.source.startswith("synthetic:")}):
-        split = next((d.params.get("split") for d in recipe.data.domains if d.source == src), None)
-        check_teacher_ids(load_examples_cached(src, split=split), known, source=src)
+    for d in recipe.data.domains:  # each with its own column map; a file without teacher_id: the domain's name
+        if not d.source.startswith("synthetic:"):
+            rows = load_examples_cached(d.source, split=d.params.get("split"), column_map=d.params,
+                                        default_teacher_id=d.name)
+            check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
                                  verifier=d.verifier) for d in specs}
