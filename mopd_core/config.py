@@ -121,8 +121,9 @@ class ChatConfig(_Model):
 
     enabled: bool = Field(False, description="Render every prompt with the tokenizer's chat template (a string "
                           "prompt becomes one user message; chat-message prompts are rendered as given), with the "
-                          "generation prompt, and stop generation on the template's end-of-turn token too; chat-message "
-                          "datasets need it. false = raw prompt strings tokenised as they are (the synthetic domains).")
+                          "generation prompt, and stop generation on the template's end-of-turn token too; "
+                          "chat-message datasets need it. false = raw prompt strings tokenised as they are (the "
+                          "synthetic domains).")
     system_prompt: str | None = Field(None, description="A system message put before the messages of every prompt "
                                       "that has none of its own; None = no system message.")
     user_suffix: str | None = Field(None, description="Text appended verbatim to the last user message, e.g. "

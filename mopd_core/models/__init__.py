@@ -51,8 +51,8 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m[
 
 def build_tiny_tokenizer(chat: bool = False):
     """A character-level WordLevel tokenizer (Split into single characters, Fuse on decode). `chat`: the vocabulary
-    also has the newline character, `<|im_start|>` and `<|im_end|>` (special tokens, after every default id) and the tokenizer a
-    ChatML-like chat template; the default (`chat=False`) is unchanged."""
+    also has the newline character, `<|im_start|>` and `<|im_end|>` (special tokens, after every default id) and
+    the tokenizer a ChatML-like chat template; the default (`chat=False`) is unchanged."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -33,11 +33,12 @@ STR_EX = Example(prompt="rev:abc=", teacher_id="code", answer="cba")
 
 # Recorded from the code before chat formatting existed (commit b9673e6): the default tiny tokenizer, the default
 # tiny model's initial weights and the default tiny recipe's stage fingerprints must stay exactly these.
-DEFAULT_VOCAB_SHA = "REPLACE_VOCAB"
-DEFAULT_TOKENIZER_FP = "REPLACE_TOKFP"
-DEFAULT_INIT_SHA = "REPLACE_INIT"
-DEFAULT_FPS = {"sft": "REPLACE_SFT", "expert:math": "REPLACE_EXPERT", "mopd": "REPLACE_MOPD",
-               "evaluate": "REPLACE_EVAL"}
+DEFAULT_VOCAB_SHA = "7f0789557ad13b8a"
+DEFAULT_TOKENIZER_FP = "3e9586199fe9f7d4"
+DEFAULT_INIT_SHA = "17c19ba17786c1cc"
+DEFAULT_BASE = "tiny:78379937bba4854b"
+DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "63f8104171504f68",
+               "evaluate": "132506b98b63acb6"}
 INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3",
           "base": "stage:b:0"}
 
@@ -67,7 +68,7 @@ def test_default_tiny_tokenizer_model_and_fingerprints_are_unchanged():
     for k, v in sorted(m.state_dict().items()):
         h.update(k.encode() + v.detach().numpy().tobytes())
     assert h.hexdigest()[:16] == DEFAULT_INIT_SHA
-    assert _fps(cfg) == DEFAULT_FPS
+    assert _fps(cfg) == DEFAULT_FPS and R.base_identity(cfg) == DEFAULT_BASE
     assert R.base_identity(cfg) == R.base_identity(load_config("tiny", ["model.tiny.chat=false"]))
     # chat left off changes nothing whatever else data.chat says (it is not read then)
     off = load_config("tiny", ["data.chat.system_prompt=hi", "data.chat.user_suffix=x"])
@@ -80,7 +81,7 @@ def test_chat_settings_are_part_of_every_stage_identity_when_enabled():
     fps = _fps(on)
     assert all(fps[s] != DEFAULT_FPS[s] for s in DEFAULT_FPS), fps
     assert on.data.model_dump()["chat"]["enabled"] is True and on.model.tiny.model_dump()["chat"] is True
-    other = load_config("tiny", ["data.chat.enabled=true", "model.tiny.chat=true", "data.chat.user_suffix= !"])
+    other = load_config("tiny", ["data.chat.enabled=true", "model.tiny.chat=true", "data.chat.user_suffix=Answer"])
     assert all(_fps(other)[s] != fps[s] for s in DEFAULT_FPS)
     assert R.base_identity(on) != R.base_identity(load_config("tiny"))  # another vocabulary, another init
 
