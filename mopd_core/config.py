@@ -77,6 +77,10 @@ class TinyModelConfig(_Model):
     num_kv_heads: int | None = Field(None, description="KV heads (GQA); None = num_heads.")
     intermediate_size: int = Field(512, ge=8, description="MLP width.")
     max_position_embeddings: int = Field(128, ge=16, description="Longest sequence (prompt + completion).")
+    # left out of the dump while false, so the default tiny model keeps the identity it had before the field existed
+    chat: bool = Field(False, exclude_if=lambda v: not v, description="Build the character tokenizer with a "
+                       "ChatML-like chat template (`<|im_start|>`/`<|im_end|>` special tokens and a newline "
+                       "character), so that data.chat.enabled runs on the tiny model (CI's path for instruct models).")
 
     @model_validator(mode="after")
     def _head_dim(self) -> "TinyModelConfig":
@@ -110,9 +114,42 @@ class DomainSpec(_Model):
     params: dict[str, Any] = Field(default_factory=dict, description="Domain-specific generator options.")
 
 
+class ChatConfig(_Model):
+    """How prompts become token ids (`models.chat.PromptFormatter`, the one path of SFT, rollout, teachers and
+    eval). One setting for every domain for now; a per-domain override (e.g. a different user_suffix for math and
+    code) would go on DomainSpec and be merged here."""
+
+    enabled: bool = Field(False, description="Render every prompt with the tokenizer's chat template (a string "
+                          "prompt becomes one user message; chat-message prompts are rendered as given), with the "
+                          "generation prompt, and stop generation on the template's end-of-turn token too; "
+                          "chat-message datasets need it. false = raw prompt strings tokenised as they are (the "
+                          "synthetic domains).")
+    system_prompt: str | None = Field(None, description="A system message put before the messages of every prompt "
+                                      "that has none of its own; None = no system message.")
+    user_suffix: str | None = Field(None, description="Text appended verbatim to the last user message, e.g. "
+                                    "\" Please put your final answer in \\boxed{}.\" (include the leading "
+                                    "space or newline you want).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables for the chat template, e.g. {enable_thinking: false}.")
+    chat_template: str | None = Field(None, description="Path to a Jinja chat-template file used instead of the "
+                                      "tokenizer's own (base models without one). The fingerprint names the file "
+                                      "by path: give an edited template a new file name.")
+
+    @model_validator(mode="after")
+    def _template_path(self) -> "ChatConfig":
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("data.chat.chat_template is empty: give the path of a Jinja template file or leave it "
+                             "unset to use the tokenizer's template")
+        return self
+
+
 class DataConfig(_Model):
     domains: list[DomainSpec] = Field(description="The domains of the recipe; one expert/teacher each.")
     max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this are an error.")
+    # left out of the dump (and so of every fingerprint) while disabled: the settings change nothing then, and
+    # configs without the section keep the identity they had before it existed
+    chat: ChatConfig = Field(default_factory=ChatConfig, exclude_if=lambda c: not c.enabled,
+                             description="Chat formatting of the prompts (system prompt, user suffix, template).")
 
     @model_validator(mode="after")
     def _unique(self) -> "DataConfig":

@@ -12,9 +12,12 @@ from .rollout import HFRollout
 
 @torch.no_grad()
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, device,
-                   max_new_tokens: int, seed: int = 0, eval_size: int | None = None) -> dict[str, dict[str, float]]:
-    """{domain: {"greedy": acc, "mean@k": acc}} on each domain's held-out prompts (never trained on)."""
-    engine = HFRollout(model, tokenizer, device)
+                   max_new_tokens: int, seed: int = 0, eval_size: int | None = None, *,
+                   chat=None) -> dict[str, dict[str, float]]:
+    """{domain: {"greedy": acc, "mean@k": acc}} on each domain's held-out prompts (never trained on). `chat`: the
+    recipe's `data.chat` (or a `models.chat.PromptFormatter`) — prompts rendered and generation stopped exactly
+    as in training rollouts; None = raw prompt strings."""
+    engine = HFRollout(model, tokenizer, device, chat=chat)
     n = eval_size or cfg.eval_size
     out: dict[str, dict[str, float]] = {}
     gen = torch.Generator(device=device).manual_seed(seed + 7919)

@@ -42,18 +42,32 @@ def quiet_hf() -> None:
     datasets.utils.logging.set_verbosity_error()
 
 
-def build_tiny_tokenizer():
-    """A character-level WordLevel tokenizer (Split into single characters, Fuse on decode)."""
+# The tiny model's chat variant (`model.tiny.chat`): ChatML's layout with its two special tokens and a newline
+# character, appended after the default vocabulary so that every default id keeps its meaning.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_tokenizer(chat: bool = False):
+    """A character-level WordLevel tokenizer (Split into single characters, Fuse on decode). `chat`: the vocabulary
+    also has the newline character, `<|im_start|>` and `<|im_end|>` (special tokens, after every default id) and
+    the tokenizer a ChatML-like chat template; the default (`chat=False`) is unchanged."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {PAD: 0, EOS: 1, UNK: 2}
     for ch in TINY_ALPHABET:
         vocab[ch] = len(vocab)
+    if chat:
+        for t in ("\n", IM_START, IM_END):
+            vocab[t] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # "." stops at a newline; the chat variant splits every character, the newline included
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    extra = dict(extra_special_tokens=[IM_START, IM_END], chat_template=TINY_CHAT_TEMPLATE) if chat else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, **extra)
     fast.padding_side = "left"
     return fast
 
@@ -81,8 +95,10 @@ def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
     """Build and save the tiny base model + tokenizer (idempotent for the same config)."""
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    tok = build_tiny_tokenizer()
+        # a dir built with the other tokenizer variant (model.tiny.chat flipped) is rebuilt, not reused
+        if (IM_END in (out / "tokenizer.json").read_text()) == cfg.tiny.chat:
+            return out
+    tok = build_tiny_tokenizer(chat=cfg.tiny.chat)
     model = build_tiny_model(cfg.tiny, len(tok), tok.pad_token_id, tok.eos_token_id, seed)
     save_pretrained(model, tok, out)
     return out

@@ -20,6 +20,7 @@ import torch
 from ..errors import DataError
 from ..algorithms.logprobs import LogitTransform, logits_scores, token_logprobs
 from ..models import forward, last_hidden_state, logit_transform, unwrap
+from ..models.chat import formatter_for, preview
 
 log = logging.getLogger("mopd")
 
@@ -200,20 +201,26 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, *,
     return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size).logp
 
 
-def prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
-    """The token ids of each prompt as every engine feeds them (the one tokenisation rule; the pre-flight
-    length check of the data uses it too)."""
-    return list(tokenizer(list(prompts), add_special_tokens=True)["input_ids"]) if len(prompts) else []
+def prompt_ids(tokenizer, prompts: Sequence[Any], formatter=None, chat=None) -> list[list[int]]:
+    """The token ids of each prompt as every engine feeds them — the one tokenisation rule
+    (`models.chat.PromptFormatter`; the pre-flight length check of the data uses it too). `prompts`: Examples, raw
+    strings or chat messages; `formatter` (shares its cache) or `chat` (the `data.chat` section) say how they are
+    rendered; neither = raw strings, `add_special_tokens=True`, as before chat formatting existed."""
+    if not len(prompts):
+        return []
+    return formatter_for(tokenizer, formatter if formatter is not None else chat).batch_ids(list(prompts))
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], device, max_prompt_tokens: int | None = None):
-    """Left-pad tokenised prompts into `[B,P]` ids and mask."""
-    enc = prompt_ids(tokenizer, prompts)
+def encode_prompts(tokenizer, prompts: Sequence[Any], device, max_prompt_tokens: int | None = None, formatter=None,
+                   chat=None):
+    """Left-pad tokenised prompts (`prompt_ids`) into `[B,P]` ids and mask."""
+    enc = prompt_ids(tokenizer, prompts, formatter, chat)
     if max_prompt_tokens is not None:
         for p, e in zip(prompts, enc):
             if len(e) > max_prompt_tokens:
                 raise DataError(f"prompt of {len(e)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}:"
-                                f" {p[:40]!r}… — raise data.max_prompt_tokens or shorten the prompt")
+                                f" {preview(getattr(p, 'prompt', p))!r}… — raise data.max_prompt_tokens or shorten "
+                                "the prompt")
     P = max(len(e) for e in enc)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(enc), P), pad, dtype=torch.long)
@@ -234,12 +241,15 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-           generator: torch.Generator | None = None):
+           eos_id: int | Sequence[int], pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
+           greedy: bool = False, generator: torch.Generator | None = None):
     """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs
-    `[B,T]` (log-softmax of logits/temperature, the untruncated distribution, as vLLM reports them)."""
+    `[B,T]` (log-softmax of logits/temperature, the untruncated distribution, as vLLM reports them). A row stops
+    after any of the stop ids `eos_id` (one id or several: EOS and the chat template's end-of-turn token), which
+    stays inside its mask."""
     B = prompt_ids.shape[0]
     dev = prompt_ids.device
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
     am = prompt_mask.clone()
     pos = position_ids(am)
     logits, cache = forward(model, prompt_ids, am, pos, use_cache=True, logits_to_keep=1)
@@ -261,7 +271,7 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         toks.append(torch.where(live, tok, torch.full_like(tok, pad_id)))
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
         masks.append(live.long())
-        finished = finished | (tok == eos_id)
+        finished = finished | (tok[:, None] == stops).any(-1)  # elementwise: every device backend has it
         if bool(finished.all()):
             break
         am = torch.cat([am, torch.ones((B, 1), dtype=am.dtype, device=dev)], dim=1)
@@ -298,9 +308,16 @@ class HFRollout(RolloutEngine):
     """`rollout.backend: hf` — samples from the trainer's own module (colocated by construction: the weight
     hand-over is the identity, zero bytes copied)."""
 
-    def __init__(self, model, tokenizer, device, max_prompt_tokens: int | None = None):
+    def __init__(self, model, tokenizer, device, max_prompt_tokens: int | None = None, *, chat=None,
+                 formatter=None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_prompt_tokens = max_prompt_tokens
+        # `chat` (the data.chat section) or a shared `formatter`: how prompts become ids and which ids stop
+        self.formatter = formatter_for(tokenizer, formatter if formatter is not None else chat)
+
+    def stop_ids(self) -> list[int]:
+        """EOS, the sampled model's generation-config eos ids, and the chat template's end-of-turn token."""
+        return self.formatter.stop_ids(getattr(unwrap(self.model), "generation_config", None))
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
@@ -309,13 +326,14 @@ class HFRollout(RolloutEngine):
         self.model.eval()
         parts = []
         step = batch_size or len(examples)
+        stops = self.stop_ids()
         try:
             for s in range(0, len(examples), step):
                 chunk = list(examples[s:s + step])
-                ids, mask = encode_prompts(self.tokenizer, [e.prompt for e in chunk], self.device,
-                                           self.max_prompt_tokens)
+                ids, mask = encode_prompts(self.tokenizer, chunk, self.device, self.max_prompt_tokens,
+                                           formatter=self.formatter)
                 c_ids, c_mask, c_lp = sample(
-                    self.model, ids, mask, max_new_tokens=max_new_tokens, eos_id=self.tokenizer.eos_token_id,
+                    self.model, ids, mask, max_new_tokens=max_new_tokens, eos_id=stops,
                     pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, greedy=greedy,
                     generator=generator)
                 texts = self.tokenizer.batch_decode(

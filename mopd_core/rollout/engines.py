@@ -11,9 +11,11 @@ Every engine offers
 | `hf` | `HFRollout`: transformers forward with a KV cache, any device | samples from the trainer's own module: `sync_weights` is the identity (0 bytes) | no-ops |
 | `vllm` | `VllmRollout`: an in-process `vllm.LLM` (CUDA; Ascend through vllm-ascend, same API) | its own copy, refreshed by `sync_weights` through `mopd_core.weights` + the engine's `load_weights` | `LLM.sleep(level)` / `LLM.wake_up(tags)` (`enable_sleep_mode`) |
 
-Both return the same `RolloutBatch` layout (prompts left-padded by `encode_prompts`, completions right-padded,
-EOS inside the mask) and behaviour log-probs of the sampled tokens at the sampling temperature, so the loop,
-the teachers and the losses cannot tell them apart.
+Both return the same `RolloutBatch` layout (prompts rendered by `models.chat.PromptFormatter` and left-padded by
+`encode_prompts`, completions right-padded, the stop token inside the mask) and behaviour log-probs of the sampled
+tokens at the sampling temperature, so the loop, the teachers and the losses cannot tell them apart. Both stop on
+every id of `PromptFormatter.stop_ids`: EOS, the generation config's eos ids and, with `data.chat`, the chat
+template's end-of-turn token.
 
 **vLLM specifics** (read with TRL `trl/generation/vllm_generation.py` colocate mode and verl's
 `vllm_rollout_spmd`, which do the same):
@@ -69,6 +71,7 @@ from ..errors import PlacementError
 from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
+from ..models.chat import formatter_for
 from . import HFRollout, RolloutBatch, RolloutEngine, encode_prompts
 
 BACKENDS = ("hf", "vllm")
@@ -108,14 +111,19 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
     a `RolloutConfig`. `hf` → `HFRollout` over the trainer's `model`; `vllm` → `VllmRollout` (vLLM model len =
     max_prompt_tokens + rollout.max_new_tokens). Optional vLLM settings are read from the rollout config when
     it has them (`gpu_memory_utilization`, `enable_sleep_mode`, `sleep_level`, `engine_process`,
-    `weight_transport`, `bucket_bytes`, `load_format`, `enforce_eager`) and can be passed as keywords."""
+    `weight_transport`, `bucket_bytes`, `load_format`, `enforce_eager`) and can be passed as keywords. Prompts
+    are rendered and generation stops as the recipe's `data.chat` says (`models.chat`; a `chat=` keyword
+    overrides it: a `ChatConfig` or a `PromptFormatter`)."""
     cfg = getattr(recipe_or_rollout_cfg, "rollout", recipe_or_rollout_cfg)
     data = getattr(recipe_or_rollout_cfg, "data", None)
     if max_prompt_tokens is None and data is not None:
         max_prompt_tokens = data.max_prompt_tokens
+    chat = vllm_kwargs.pop("chat", None)
+    if chat is None and data is not None:
+        chat = data.chat  # how prompts become ids and which ids stop (models.chat)
     backend = getattr(cfg, "backend", "hf")
     if backend == "hf":
-        return HFRollout(model, tokenizer, device, max_prompt_tokens)
+        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)
@@ -137,7 +145,7 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
     if runtime is not None:  # the compute dtype: the trainer's module holds float32 master weights
         kw["dtype"] = runtime.dtype
     kw.update(vllm_kwargs)
-    return VllmRollout(model, tokenizer, device, max_prompt_tokens, **kw)
+    return VllmRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, **kw)
 
 
 # ---------------------------------------------------------------- worker side (runs inside vLLM's worker)
@@ -208,6 +216,15 @@ def _engine_load(worker, transport: str, message: Any, method: str = "auto", fin
 # ---------------------------------------------------------------- the vLLM engine
 
 
+def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float, greedy: bool, seed: int,
+                    stop_ids: Sequence[int]) -> dict:
+    """The `vllm.SamplingParams` of one request: one sample, behaviour log-prob of the sampled token, every stop
+    id (vLLM keeps the stop token in the output, like `HFRollout`'s mask), no detokenisation."""
+    return dict(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, stop_token_ids=list(stop_ids),
+                detokenize=False)
+
+
 def _request_seeds(n: int, generator: torch.Generator | None) -> list[int]:
     if generator is None:
         return torch.randint(0, 2**31 - 1, (n,)).tolist()
@@ -228,9 +245,11 @@ class VllmRollout(RolloutEngine):
                  enable_sleep_mode: bool = True, sleep_level: int = 1, engine_process: str = "inprocess",
                  transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES, load_method: str = "auto",
                  load_format: str = "auto", enforce_eager: bool = True, allow_cpu: bool = False,
-                 llm_kwargs: dict | None = None):
+                 llm_kwargs: dict | None = None, chat=None, formatter=None):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.max_prompt_tokens = max_prompt_tokens
+        # prompt ids and stop ids exactly as HFRollout computes them (vLLM runs without a tokenizer here)
+        self.formatter = formatter_for(tokenizer, formatter if formatter is not None else chat)
         self.kind = devlib.kind_of(self.device)
         if self.kind == "cpu" and not allow_cpu:
             check_vllm_backend(self.device)
@@ -365,6 +384,11 @@ class VllmRollout(RolloutEngine):
         return report
 
     # -- sampling --------------------------------------------------------------------------------------------
+    def stop_ids(self) -> list[int]:
+        """EOS, the trainer module's generation-config eos ids, and the chat template's end-of-turn token — vLLM
+        starts with `skip_tokenizer_init` and `generation_config="vllm"`, so these are the only stops it knows."""
+        return self.formatter.stop_ids(getattr(getattr(self.model, "module", self.model), "generation_config", None))
+
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
                  batch_size: int | None = None) -> RolloutBatch:
@@ -374,14 +398,14 @@ class VllmRollout(RolloutEngine):
             self.sync_weights(self.model)
         examples = list(examples)
         tok = self.tokenizer
-        ids, mask = encode_prompts(tok, [e.prompt for e in examples], self.device, self.max_prompt_tokens)
+        ids, mask = encode_prompts(tok, examples, self.device, self.max_prompt_tokens, formatter=self.formatter)
         ids_c, mask_c = ids.cpu(), mask.cpu()
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids_c, mask_c)]
         seeds = _request_seeds(len(examples), generator)
-        params = [self._SamplingParams(
-            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p, seed=int(s), logprobs=0, stop_token_ids=[tok.eos_token_id],
-            detokenize=False) for s in seeds]
+        stops = self.stop_ids()
+        params = [self._SamplingParams(**sampling_kwargs(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=int(s),
+            stop_ids=stops)) for s in seeds]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rows = [o.outputs[0] for o in outs]
         B = len(rows)
@@ -433,4 +457,4 @@ class VllmRollout(RolloutEngine):
 
 
 __all__ = ["BACKENDS", "RolloutBackendError", "VllmRollout", "build_rollout", "check_vllm_backend",
-           "vllm_importable"]
+           "sampling_kwargs", "vllm_importable"]

@@ -1,8 +1,10 @@
 """Mixed-domain SFT with TRL's `SFTTrainer` (prompt–completion data, loss on the completion only).
 
 TRL appends the EOS token to each completion, so the SFT model learns to stop — the RL loop and the verifiers
-rely on it. TRL's own checkpoints (`<stage>/trainer/checkpoint-N`) carry optimizer/scheduler/RNG state, so an
-interrupted SFT resumes where it stopped.
+rely on it. With `data.chat` the rows are pre-tokenised by `models.chat.PromptFormatter` (the prompt ids every
+other consumer sees) and each completion ends with the chat template's end-of-turn token instead. TRL's own
+checkpoints (`<stage>/trainer/checkpoint-N`) carry optimizer/scheduler/RNG state, so an interrupted SFT resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..config import RecipeConfig
 from ..errors import DataError
 from ..evaluation import evaluate_model
 from ..models import disk_full_error, load_model, load_tokenizer, save_pretrained
+from ..models.chat import check_prompt_kind, formatter_for, preview
 from ..runtime import device as devlib
 from .checkpoint import checkpoint_step, claim_stage, read_stage, trainer_checkpoints, write_stage
 from .loop import NonFiniteLossError, sample_prompts
@@ -42,15 +45,47 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
     rng = random.Random(f"{recipe.seed}/sft")
     rows = []
     for e in sample_prompts(domains, weights, n, rng):
+        check_prompt_kind(e, recipe.data.chat)
         # the data's own SFT completion where it has one (a demonstration that differs from the verifier's
         # reference, e.g. a weak demonstrator), else the reference answer
         completion = e.fields.get("completion", e.answer)
         if completion is None:
-            raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example {e.prompt[:30]!r} "
-                            "has none — add an `answer` (or `completion`) column or drop the domain from sft.mix")
-        rows.append({"prompt": e.prompt, "completion": completion})
+            raise DataError(f"SFT needs a reference answer: domain '{e.teacher_id}' example "
+                            f"{preview(e.prompt, 30)!r} has none — add an `answer` (or `completion`) column or drop "
+                            "the domain from sft.mix")
+        # chat messages as plain dicts (a row must pickle to the SFT workers and load into a `datasets` table)
+        prompt = e.prompt if isinstance(e.prompt, str) else _plain(e.prompt)
+        rows.append({"prompt": prompt, "completion": completion})
     rng.shuffle(rows)
     return rows
+
+
+def sft_dataset_rows(rows: list[dict], tokenizer, chat=None) -> list[dict]:
+    """What TRL's `SFTTrainer` trains on. Chat off (`data.chat.enabled: false`): the prompt/completion rows as
+    they are (TRL tokenises them and appends EOS — unchanged from before chat formatting existed). Chat on:
+    pre-tokenised rows, `input_ids` = the formatter's prompt ids (the very ids rollout, teachers and eval see) +
+    the completion's ids ending with the template's end-of-turn token, and `completion_mask` marking the
+    completion (TRL keeps such rows as they are and, with `completion_only_loss`, trains on the completion only).
+    TRL's own conversational path would re-render the prompt with its own template call and end the completion
+    with whatever that renders after the turn; pre-tokenising keeps one rendering for every consumer."""
+    fmt = formatter_for(tokenizer, chat)
+    if not fmt.enabled:
+        return rows
+    prompts = fmt.batch_ids([r["prompt"] for r in rows])
+    out = []
+    for r, p in zip(rows, prompts):
+        c = fmt.completion_ids(r["completion"])
+        out.append({"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)})
+    return out
+
+
+def _plain(value):
+    """Frozen messages (tuples of read-only mappings) as lists of dicts."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str, object], stage_dir: str | Path,
@@ -80,7 +115,8 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
         model.load_state_dict(state)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
     ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
-                        recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)
+                        recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed,
+                        chat=recipe.data.chat)
     info = read_stage(stage_dir) or {}
     info.update({"status": "done", "final_dir": str(final_dir), "eval": ev, "steps": cfg.steps,
                  "num_examples": len(rows), **({"distributed": where} if where else {})})
@@ -136,7 +172,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and world == 1:
                 ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
                                     recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed,
-                                    cfg.eval_size)
+                                    cfg.eval_size, chat=recipe.data.chat)
                 row.update({f"eval/{d}/{k}": v for d, r in ev.items() for k, v in r.items()})
             if not math.isfinite(loss):
                 raise NonFiniteLossError(
@@ -147,7 +183,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
                 f.write(json.dumps(row) + "\n")
             bar.update(state.global_step, row)
 
-    max_len = recipe.max_seq_len() + 1  # + the EOS TRL appends
+    max_len = recipe.max_seq_len() + 1  # + the EOS TRL appends (chat: the end-of-turn token)
     fsdp = {}
     # accelerate's FSDP2 (one unit per decoder layer) exists for accelerators only: on CPU its MULTI_CPU state runs
     # DDP whatever the Trainer asks (distributed.sft warns; the RL/MOPD workers shard with torch FSDP2 on CPU too)
@@ -167,7 +203,8 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
         gradient_checkpointing=recipe.train.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if recipe.train.gradient_checkpointing else None,
         ddp_find_unused_parameters=False if world > 1 else None, **fsdp)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+    data = Dataset.from_list(sft_dataset_rows(rows, tokenizer, recipe.data.chat))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data,
                          processing_class=tokenizer, callbacks=[_Track()])
     trainer.remove_callback(PrinterCallback)  # our callback logs; the printer would dump raw dicts
     resume = _last_trainer_ckpt(stage_dir)
