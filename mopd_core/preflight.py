@@ -259,6 +259,7 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
 def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) -> None:
     """Every prompt fits data.max_prompt_tokens with the run's tokenizer (the rollout's own rule)."""
     from .domains import load_examples_cached
+    from .domains.base import prompt_text
     from .rollout import prompt_ids
 
     limit = recipe.data.max_prompt_tokens
@@ -269,20 +270,21 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
         if spec.source.startswith("synthetic:"):
             dom = domains[spec.name]
             exs = list(dom.eval_examples()) + list(dom.train_examples(64, random.Random("mopd-preflight")))
-            for e, ids in zip(exs, prompt_ids(tokenizer, [e.prompt for e in exs])):
+            for e, ids in zip(exs, prompt_ids(tokenizer, exs, chat=recipe.data.chat)):
                 if len(ids) > limit:
                     raise DataError(f"domain '{spec.name}' ({spec.source}, params {spec.params or {}}): prompt "
-                                    f"{e.prompt[:40]!r} has {len(ids)} tokens, over data.max_prompt_tokens={limit} — "
-                                    f"{fix} or shorten the task (params)")
+                                    f"{prompt_text(e)[:40]!r} has {len(ids)} tokens, over "
+                                    f"data.max_prompt_tokens={limit} — {fix} or shorten the task (params)")
             continue
         # the domain's own rows (a shared file's other rows are its other domains'), read with its column map
         rows = [(i, e) for i, e in enumerate(load_examples_cached(
             spec.source, split=spec.params.get("split"), column_map=spec.params, default_teacher_id=spec.name))
             if e.teacher_id == spec.name]
-        for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e.prompt for _, e in rows])):
+        # rendered as the rollout renders them (chat template, system prompt, suffix: `data.chat`)
+        for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e for _, e in rows], chat=recipe.data.chat)):
             if len(ids) > limit:
                 raise DataError(f"{spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
-                                f"data.max_prompt_tokens={limit} ({e.prompt[:40]!r}…) — {fix} or drop the row")
+                                f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — {fix} or drop the row")
 
 
 # ---------------------------------------------------------------- output dir

@@ -82,6 +82,7 @@ class ClusterSpec:
     dist_timeout_s: float = 300.0      # torch.distributed timeout (init and every collective)
     train_strategy: str = "ddp"        # ddp (replicated student) | fsdp2 (sharded parameters + optimizer state)
     rollout: bool = True               # start rollout instances (False: the driver samples, trainers only)
+    chat: Any = None                   # data.chat: rollout instances render prompts and stop as the driver does
     logprob_impl: str = "chunked"      # train.logprob_impl inside the trainers' update
     gradient_checkpointing: bool = False  # train.gradient_checkpointing in the trainers
     max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (ranks agree on the count)
@@ -565,7 +566,7 @@ class RolloutWorker(_Worker):
         self.index = index
         self.model = load_model(model_path, self.device, spec.dtype).eval()
         self.tokenizer = load_tokenizer(model_path)
-        self.engine = HFRollout(self.model, self.tokenizer, self.device, max_prompt_tokens)
+        self.engine = HFRollout(self.model, self.tokenizer, self.device, max_prompt_tokens, chat=spec.chat)
 
     def setup(self, addr: str, port: int) -> dict[str, Any]:
         """Join the world (rollout workers take no part in the train group's collectives)."""

@@ -323,7 +323,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
                     with amp():
                         last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
-                                                   recipe.seed, loop_cfg.eval_size)
+                                                   recipe.seed, loop_cfg.eval_size, chat=recipe.data.chat)
                     for d, r in last_eval.items():
                         for k, v in r.items():
                             m[f"eval/{d}/{k}"] = v
@@ -345,7 +345,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         log.info("%s: %s", stage, phases.summary())
         with amp():
             last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
-                                       loop_cfg.eval_size)
+                                       loop_cfg.eval_size, chat=recipe.data.chat)
         final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
         # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
         save_checkpoint(stage_dir, loop_cfg.steps, model, tokenizer, opt, sched, keep=loop_cfg.keep_checkpoints,
@@ -514,4 +514,4 @@ def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfi
     tok = load_tokenizer(path)
     cfg = eval_cfg or recipe.eval
     return evaluate_model(model, tok, domains, cfg, dinfo.torch_device,
-                          cfg.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed)
+                          cfg.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed, chat=recipe.data.chat)
