@@ -463,13 +463,17 @@ def _tagged_result(stdout: str, tag: str) -> list:
 def _why(res: Any, default: str) -> str:
     if res.timed_out:
         return "timeout"
-    if res.blocked:
-        return "blocked: " + ", ".join(res.blocked)
+    # stdlib modules probe sys._getframe and fall back when refused (namedtuple, typing): not the program's doing
+    blocked = [b for b in res.blocked if not b.startswith("sys._getframe")]
+    if blocked:
+        return "blocked: " + ", ".join(blocked)
     if res.killed_reason:
         return res.killed_reason
+    last = res.stderr.strip().splitlines()
+    if last:  # a traceback (test mode reports failures on stderr and exits 0)
+        return last[-1][:200]
     if res.returncode not in (0, None):
-        last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
-        return last[:200]
+        return f"exit {res.returncode}"
     return default
 
 
