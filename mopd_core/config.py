@@ -108,7 +108,14 @@ class DomainSpec(_Model):
     source: str = Field(description="`synthetic:<kind>` (math, code, if) or a path to a jsonl / parquet / "
                         "`datasets` dir with columns prompt, teacher_id, and verifier fields.")
     verifier: str = Field("exact_match", description="Reward function for dataset sources: exact_match, "
-                          "code_tests (sandboxed), contains. Synthetic domains bring their own.")
+                          "contains, code_tests (sandboxed), math_verify, ifeval (the last two need the "
+                          "`mopd[domains]` extra). Synthetic domains bring their own.")
+    # empty: left out of the dump, so it changes no fingerprint of a config written before it existed
+    verifier_args: dict[str, Any] = Field(
+        default_factory=dict, exclude_if=lambda v: not v, description="Keyword arguments of the verifier, e.g. math_verify {mode: boxed | gsm8k "
+        "| aime | any, timeout_s}, ifeval {mode: strict | loose, score: all | fraction}, code_tests {scoring: all | "
+        "fraction, max_tests, timeout_s, memory_mb}; all real verifiers also take strip_think, zero_if_truncated, "
+        "think_format_weight. An unknown key is an error naming the accepted ones.")
     weight: float = Field(1.0, ge=0, description="Share of prompts drawn from this domain (normalised).")
     eval_size: int = Field(200, ge=1, description="Held-out eval prompts, disjoint from training prompts.")
     params: dict[str, Any] = Field(default_factory=dict, description="Domain-specific generator options.")

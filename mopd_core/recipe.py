@@ -68,7 +68,7 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
             check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
-                                 verifier=d.verifier) for d in specs}
+                                 verifier=d.verifier, verifier_args=d.verifier_args) for d in specs}
 
 
 def model_ref_id(path: str | Path) -> str:

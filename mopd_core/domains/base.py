@@ -248,7 +248,8 @@ SYNTHETIC_PREFIX = "synthetic:"
 
 
 def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None, eval_size: int = 200,
-                 seed: int = 0, verifier: str | None = None) -> Domain:
+                 seed: int = 0, verifier: str | None = None,
+                 verifier_args: Mapping[str, Any] | None = None) -> Domain:
     """Build the domain `name` from `source`.
 
     source "synthetic:<kind>": a registered synthetic domain (its own exact-match reward; `params` go to its
@@ -260,6 +261,8 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
                                `prompt_field`, `answer_field`, `fields`, `teacher_id_field`, `answer_join`:
                                see `schemas`).
     verifier: dataset sources only (default exact_match); synthetic domains accept only None/"exact_match".
+    verifier_args: keyword arguments of the verifier's constructor (e.g. {"mode": "aime"} for math_verify); an
+                   unknown one is an error naming the domain, the argument and the accepted ones.
     """
     if not isinstance(name, str) or not name:
         raise DomainError(f"domain name must be a non-empty string (got {name!r}); set data.domains[].name")
@@ -273,6 +276,9 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         if verifier not in (None, "exact_match"):
             raise DomainError(f"domain '{name}': synthetic sources bring their own exact-match reward; remove "
                               f"verifier '{verifier}' or use a dataset source")
+        if verifier_args:
+            raise DomainError(f"domain '{name}': synthetic sources take no verifier_args (got "
+                              f"{sorted(verifier_args)}); remove them or use a dataset source")
         factory = get_domain_factory(kind)
         return factory(name=name, eval_size=eval_size, seed=seed, **params)
 
@@ -288,6 +294,15 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         raise DomainError(f"domain '{name}': verifier given twice ({verifier!r} and params.verifier="
                           f"{params['verifier']!r}); keep one")
     v = verifier or params.get("verifier") or "exact_match"
+    from .verifiers import get_verifier
+
+    if verifier_args is not None and not isinstance(verifier_args, Mapping):
+        raise DomainError(f"domain '{name}': verifier_args must be a mapping (got {type(verifier_args).__name__});"
+                          " write them as key: value pairs")
+    try:  # before loading the data: a typo in verifier_args costs no I/O
+        v = get_verifier(v, **dict(verifier_args or {}))
+    except DomainError as e:
+        raise DomainError(f"domain '{name}': {e}") from None
     examples = load_examples_cached(source, split=params.get("split"), column_map=params,
                                     default_teacher_id=name)
     kwargs = {}
