@@ -112,7 +112,8 @@ class DomainSpec(_Model):
                           "`mopd[domains]` extra). Synthetic domains bring their own.")
     # empty: left out of the dump, so it changes no fingerprint of a config written before it existed
     verifier_args: dict[str, Any] = Field(
-        default_factory=dict, exclude_if=lambda v: not v, description="Keyword arguments of the verifier, e.g. math_verify {mode: boxed | gsm8k "
+        default_factory=dict, exclude_if=lambda v: not v,
+        description="Keyword arguments of the verifier, e.g. math_verify {mode: boxed | gsm8k "
         "| aime | any, timeout_s}, ifeval {mode: strict | loose, score: all | fraction}, code_tests {scoring: all | "
         "fraction, max_tests, timeout_s, memory_mb}; all real verifiers also take strip_think, zero_if_truncated, "
         "think_format_weight. An unknown key is an error naming the accepted ones.")
