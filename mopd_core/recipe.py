@@ -18,7 +18,7 @@ from pathlib import Path
 from . import preflight
 from .config import RecipeConfig, stage_fingerprint
 from .errors import ConfigError
-from .domains import build_domain
+from .domains import DomainError, build_domain
 from .runtime import device as devlib
 
 log = logging.getLogger("mopd")
@@ -61,10 +61,23 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
     from .domains import check_teacher_ids, load_examples_cached
 
     known = recipe.domain_names()
-    for d in recipe.data.domains:  # each with its own column map; a file without teacher_id: the domain's name
+    readers: dict[str, list[str]] = {}
+    for d in recipe.data.domains:
         if not d.source.startswith("synthetic:"):
-            rows = load_examples_cached(d.source, split=d.params.get("split"), column_map=d.params,
-                                        default_teacher_id=d.name)
+            readers.setdefault(d.source, []).append(d.name)
+    for d in recipe.data.domains:  # each with its own column map
+        if not d.source.startswith("synthetic:"):
+            # a file of one domain may leave teacher_id out (its rows are that domain's); a file several domains
+            # read must say whose each row is — defaulting would give every one of them all the rows
+            shared = len(readers[d.source]) > 1
+            try:
+                rows = load_examples_cached(d.source, split=d.params.get("split"), column_map=d.params,
+                                            default_teacher_id=None if shared else d.name)
+            except DomainError as e:
+                if shared and "teacher_id" in str(e):
+                    raise DomainError(f"{e} (domains {', '.join(readers[d.source])} share this file: each row "
+                                      "needs the teacher_id of its domain, or give each domain its own file)") from None
+                raise
             check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,

@@ -537,3 +537,26 @@ def test_real_mini_files_load_in_their_hub_schema(name, tmp_path):
     if name.startswith("code"):
         assert all("tests" in e.fields or "test" in e.fields for e in exs)
     _round_trips(exs, tmp_path, name)
+
+
+def test_a_file_of_one_domain_may_leave_teacher_id_out_a_shared_one_may_not(tmp_path):
+    """`recipe.build_domains`: rows without teacher_id are the domain's own when only that domain reads the file;
+    a file two domains read must name each row's teacher_id (one line saying so), or both would get every row."""
+    from mopd_core import recipe as R
+    from mopd_core.config import load_config
+    from tests.conftest import tiny_overrides
+
+    src = tmp_path / "m.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(12)))
+    one = load_config("tiny", tiny_overrides(tmp_path / "a") + [
+        f"data.domains=[{{name: math, source: '{src}', eval_size: 2}}, "
+        "{name: code, source: 'synthetic:code', eval_size: 2}]", "sft.mix=null", "mopd.mix=null"])
+    doms = R.build_domains(one)
+    assert {e.teacher_id for e in doms["math"].eval_examples()} == {"math"}
+    two = load_config("tiny", tiny_overrides(tmp_path / "b") + [
+        f"data.domains=[{{name: math, source: '{src}'}}, {{name: code, source: '{src}'}}]",
+        "sft.mix=null", "mopd.mix=null"])
+    with pytest.raises(DomainError) as e:
+        R.build_domains(two)
+    msg = str(e.value)
+    assert "\n" not in msg and "teacher_id" in msg and "math, code share this file" in msg, msg
