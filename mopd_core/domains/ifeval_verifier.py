@@ -81,7 +81,7 @@ def punkt_available() -> bool:
     return True
 
 
-def prompt_text(prompt: Any) -> str:
+def last_user_text(prompt: Any) -> str:
     """The prompt as IFEval knows it: a string as is; for chat messages, the content of the last user message."""
     if isinstance(prompt, str):
         return prompt
@@ -150,7 +150,7 @@ class IFEval(RealVerifier):
     def validate(self, example: Example) -> None:
         registry, _ = lm_eval_ifeval()
         ids, kwargs = self._fields(example)
-        prompt_text(example.prompt)
+        last_user_text(example.prompt)
         for j, (iid, kw) in enumerate(zip(ids, kwargs)):
             cls = registry.INSTRUCTION_DICT.get(iid)
             if cls is None:
@@ -173,7 +173,7 @@ class IFEval(RealVerifier):
         _, utils = lm_eval_ifeval()
         ids, kwargs = self._fields(example)
         self._need_punkt(ids)
-        inp = utils.InputExample(key=0, instruction_id_list=ids, prompt=prompt_text(example.prompt), kwargs=kwargs)
+        inp = utils.InputExample(key=0, instruction_id_list=ids, prompt=last_user_text(example.prompt), kwargs=kwargs)
         check = utils.test_instruction_following_strict if self.mode == "strict" else \
             utils.test_instruction_following_loose
         out = check(inp, answer)
