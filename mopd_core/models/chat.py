@@ -176,10 +176,12 @@ class PromptFormatter:
         return out  # type: ignore[return-value]
 
     # -- stops and SFT targets -------------------------------------------------------------------------------
-    def stop_ids(self, generation_config=None) -> list[int]:
-        """Every stop id: tokenizer EOS, the generation config's eos ids, and (chat) the end-of-turn token."""
+    def stop_ids(self, generation_config=None, tokenizer=None) -> list[int]:
+        """Every stop id: tokenizer EOS, the generation config's eos ids, and (chat) the end-of-turn token.
+        `tokenizer`: the engine's current one when it differs from the formatter's (an engine's EOS is read
+        at every call, as before chat formatting existed)."""
         extra = [self.end_of_turn_id] if self.end_of_turn_id is not None else []
-        return stop_token_ids(self.tokenizer, generation_config, extra)
+        return stop_token_ids(tokenizer if tokenizer is not None else self.tokenizer, generation_config, extra)
 
     def completion_ids(self, completion: str) -> list[int]:
         """An SFT completion's ids: the text (no special tokens added) followed, with chat on, by what the

@@ -317,7 +317,7 @@ class HFRollout(RolloutEngine):
 
     def stop_ids(self) -> list[int]:
         """EOS, the sampled model's generation-config eos ids, and the chat template's end-of-turn token."""
-        return self.formatter.stop_ids(getattr(unwrap(self.model), "generation_config", None))
+        return self.formatter.stop_ids(getattr(unwrap(self.model), "generation_config", None), self.tokenizer)
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,

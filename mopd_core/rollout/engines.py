@@ -387,7 +387,8 @@ class VllmRollout(RolloutEngine):
     def stop_ids(self) -> list[int]:
         """EOS, the trainer module's generation-config eos ids, and the chat template's end-of-turn token — vLLM
         starts with `skip_tokenizer_init` and `generation_config="vllm"`, so these are the only stops it knows."""
-        return self.formatter.stop_ids(getattr(getattr(self.model, "module", self.model), "generation_config", None))
+        return self.formatter.stop_ids(getattr(getattr(self.model, "module", self.model), "generation_config", None),
+                                       self.tokenizer)
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
