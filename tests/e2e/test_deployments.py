@@ -1,14 +1,14 @@
 """Against real services on 127.0.0.1 (infra/services.sh: `prefect server`, a process worker, `mlflow server`):
 `prefect deploy --all` from infra/prefect.yaml, the full-recipe deployment run twice (second run served from the
 cache), the single-stage mopd deployment with a non-default mopd.steps on references from the first run, the
-nightly reproduction's champion alias, and a flow-run process SIGKILLed in the middle of mopd that the next run
-resumes from its last checkpoint."""
+nightly reproduction's champion alias, and a custom run of a stage deployment from the Prefect UI. (A flow-run
+process SIGKILLed mid-stage and resumed by the next deployment run, for every stage: tests/reliability/
+test_faults_prefect.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -192,56 +192,6 @@ def _family_named(c, exp: str, flow_run_id: str):
     parent = next(r for r in runs if r.data.tags.get("prefect.flow_run_id") == flow_run_id
                   and "mlflow.parentRunId" not in r.data.tags)
     return parent, [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-
-
-def test_sigkill_in_mopd_resumes_from_checkpoint(services, recipe_runs):
-    out = services.tmp / "runs"
-    params = {"overrides": short_overrides(out, name="k", mopd_steps=60, mopd_save_every=3)}
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/prefect"), "deployment", "run", "full-recipe/tiny", "--params",
-                             json.dumps(params)], cwd=ROOT, env=services.client_env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    proc.wait(timeout=120)
-    student = out / "k" / "student"
-    c = mlflow_client(services.mlflow)
-    deadline = time.monotonic() + 600
-    pid = None
-    while time.monotonic() < deadline:
-        ck = sorted((student / "checkpoints").glob("step-*")) if (student / "checkpoints").exists() else []
-        if ck:
-            runs = [r for r in runs_of(c, "k") if r.data.tags.get("mlflow.runName") == "student"
-                    and r.info.status == "RUNNING"]
-            if runs:
-                pid = int(runs[0].data.tags["mopd.pid"])
-                break
-        time.sleep(0.2)
-    assert pid, "the mopd stage never wrote a checkpoint"
-    info = json.loads((student / "stage.json").read_text())
-    assert info["status"] == "running", "mopd finished before it could be killed; raise mopd.steps"
-    os.kill(pid, signal.SIGKILL)
-    killed_at = int(sorted((student / "checkpoints").glob("step-*"))[-1].name.split("-")[1])
-    # the worker reports the dead process; wait for a final state before the re-run
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        runs = services.runs("full-recipe/tiny")
-        if runs[-1]["state_type"] in ("CRASHED", "FAILED"):
-            break
-        time.sleep(3)
-    assert runs[-1]["state_type"] in ("CRASHED", "FAILED"), runs[-1]["state_type"]
-
-    p = services.run_deployment("full-recipe/tiny", params)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    rerun = services.runs("full-recipe/tiny")[-1]
-    states = {t["name"]: t["state_name"] for t in rerun["task_runs"]}
-    for st in ("sft", "expert-math", "expert-code", "expert-if"):
-        assert states[st] == "Cached", states  # finished stages are not re-run
-    assert states["mopd"] == "Completed"
-    new = [r for r in runs_of(c, "k") if r.data.tags.get("mlflow.runName") == "student"
-           and r.info.status == "FINISHED"]
-    assert len(new) == 1 and int(new[0].data.params["resumed_from_step"]) >= killed_at >= 3
-    assert not [r for r in runs_of(c, "k") if r.info.status == "RUNNING"]
-    assert [r for r in runs_of(c, "k") if r.info.status == "KILLED"]
-    steps = [json.loads(x)["step"] for x in (student / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert steps == list(range(1, 61))
 
 
 BROWSER_DIR = ROOT / "tests/e2e/browser"
