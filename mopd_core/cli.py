@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "answer_join=', ', split=train (repeatable)")
     d.add_argument("--name", help="the domain name, the teacher_id of rows without one (default: the source's "
                    "file name without extension)")
+    d.add_argument("--config", "-c", default=None, help="also render the first row as this preset feeds it: its "
+                   "tokenizer (model.base) and data.chat (chat template, system prompt, suffix)")
+    d.add_argument("--config-set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of that preset, e.g. data.chat.enabled=true (repeatable)")
     return ap
 
 
@@ -151,11 +155,20 @@ def _run(args) -> int:
 
 # ---- mopd data check ----------------------------------------------------------------------------------------
 
-def render_preview(example) -> str | None:
-    """Hook for `mopd data check`: the first row rendered through the prompt formatter (chat template, system
-    prompt, suffix) as the recipe would feed it. Not wired yet — the formatter lands separately — so it returns
-    None and the check prints the prompt / messages only."""
-    return None
+def render_preview(example, cfg) -> str | None:
+    """`mopd data check --config P`: the row's prompt rendered by the prompt formatter the recipe uses (P's
+    tokenizer and `data.chat`), as text, with its token count; None without a preset."""
+    if cfg is None:
+        return None
+    from .models import build_tiny_tokenizer, load_tokenizer
+    from .models.chat import PromptFormatter
+
+    # the tiny tokenizer is built in memory (nothing written); any other base is read as the recipe reads it
+    tok = build_tiny_tokenizer(chat=cfg.model.tiny.chat) if cfg.model.base == "tiny" else load_tokenizer(cfg.model.base)
+    fmt = PromptFormatter(tok, cfg.data.chat)
+    n = len(fmt.ids(example))
+    return (f"{fmt.text(example)!r} ({n} tokens; data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
+            f"{', over it' if n > cfg.data.max_prompt_tokens else ''})")
 
 
 def _preview(v, limit: int = 400):
@@ -211,9 +224,16 @@ def _data_check(args) -> int:
     print("prompt as chat messages" + (":" if first.is_chat else " (a string prompt is one user turn):"))
     for m in first.prompt_messages():
         print(f"  [{m['role']}] {_preview(m['content'])}")
-    rendered = render_preview(first)
-    print("rendered: " + (rendered if rendered is not None else
-                          "(the prompt formatter is not wired into `mopd data check` yet)"))
+    cfg = None
+    if args.config is not None:
+        from .config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+    elif args.overrides:
+        raise ConfigError("--config-set needs --config (the preset it overrides)")
+    rendered = render_preview(first, cfg)
+    print("rendered: " + (rendered if rendered is not None else "(give --config PRESET to render it as that recipe "
+                          "feeds it: tokenizer and data.chat)"))
     return 0
 
 

@@ -500,6 +500,16 @@ def test_data_check_prints_schema_mapping_counts_and_first_row(tmp_path, capsys)
                      "--schema", "verl"]) == 0
     out = capsys.readouterr().out
     assert "schema:  verl (given)" in out and "  arith: 2\n" in out and '"answer": "0"' in out
+    # rendered as a preset feeds it: the tiny chat tokenizer's template around the user turn
+    assert cli.main(["data", "check", str(path), "--config", "tiny", "--config-set", "model.tiny.chat=true",
+                     "--config-set", "data.chat.enabled=true", "--config-set", "data.chat.user_suffix=' Box it.'"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("rendered: "))
+    assert "<|im_start|>user" in line and "What is 6*7? Box it." in line and "<|im_start|>assistant" in line, line
+    assert "tokens; data.max_prompt_tokens=16, over it)" in line, line
+    assert cli.main(["data", "check", str(path), "--config", "tiny"]) == 2  # messages need the chat template
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "data.chat.enabled=true" in err, err
 
 
 def test_data_check_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
