@@ -34,14 +34,15 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _thaw(value: Any) -> Any:
-    """Inverse of `_freeze` into plain JSON-friendly containers (dicts and lists)."""
+def thaw(value: Any) -> Any:
+    """Inverse of `_freeze` into plain JSON-friendly containers (dicts and lists): what a Jinja chat template, a
+    `datasets` table, JSON or a third-party checker expects of an Example's frozen fields and messages."""
     if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     if isinstance(value, (set, frozenset)):
-        return sorted(_thaw(v) for v in value)
+        return sorted(thaw(v) for v in value)
     return value
 
 
@@ -73,7 +74,7 @@ class FrozenFields(Mapping):
         return f"FrozenFields({self._data!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        return _thaw(self)
+        return thaw(self)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -27,7 +27,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import DomainError, Example, FrozenFields
+from .base import DomainError, Example, thaw
+from .schemas import ifeval_kwargs
 from .verifiers import RealVerifier, VerdictRow, _arg_choice
 
 # The instructions whose lm-eval check calls NLTK's Punkt (count_sentences, nltk.word_tokenize).
@@ -92,16 +93,6 @@ def last_user_text(prompt: Any) -> str:
     raise DomainError("ifeval: the prompt is neither a string nor chat messages with a user turn; fix the row")
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, FrozenFields):
-        return value.to_dict()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 class IFEval(RealVerifier):
     """IFEval instruction following through lm-eval's checks (see the module docstring). Extracted: the response
     text that was checked; info: the per-instruction verdicts."""
@@ -126,17 +117,11 @@ class IFEval(RealVerifier):
                               "add it or choose another verifier")
         if kwargs is None:
             kwargs = [{} for _ in ids]
-        if not isinstance(kwargs, (list, tuple)) or len(kwargs) != len(ids):
-            raise DomainError(f"ifeval: 'kwargs' must be a list with one dict per instruction ({len(ids)}); fix "
-                              "the row")
-        out = []
-        for j, kw in enumerate(kwargs):
-            if kw is None:
-                kw = {}
-            if not isinstance(kw, Mapping):
-                raise DomainError(f"ifeval: kwargs[{j}] is {type(kw).__name__}, not a dict; fix the row")
-            out.append(_plain(kw))
-        return list(ids), out
+        try:  # the loader's rule (a list of one object per instruction, nulls dropped as lm-eval does)
+            out = ifeval_kwargs(thaw(kwargs), len(ids))
+        except DomainError as e:
+            raise DomainError(f"ifeval: {e}; fix the row") from None
+        return list(ids), [thaw(kw) for kw in out]
 
     def _need_punkt(self, ids: Sequence[str]) -> None:
         affected = sorted(set(ids) & set(NEEDS_PUNKT))

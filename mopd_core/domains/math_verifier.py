@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import DomainError, Example
-from .verifiers import RealVerifier, VerdictRow, _arg_choice, _check_lengths
+from .verifiers import RealVerifier, VerdictRow, _arg_choice, _batch_flags
 
 MODES = ("boxed", "gsm8k", "aime", "any")
 _INSTALL = "pip install 'mopd[domains]' (math-verify)"
@@ -358,8 +358,7 @@ class MathVerify(RealVerifier):
 
     def score_batch(self, examples: Sequence[Example], completions: Sequence[str],
                     truncated: Sequence[bool] | None = None) -> list[VerdictRow]:
-        _check_lengths(self.name, examples, completions, truncated)
-        flags = list(truncated) if truncated is not None else [False] * len(examples)
+        flags = _batch_flags(self.name, examples, completions, truncated)
         split = [self._answer_text(c) for c in completions]
         rows = self._score_many(examples, [a for _, a in split])
         return [self._finish(r, wf, t) for r, (wf, _), t in zip(rows, split, flags)]

@@ -55,8 +55,7 @@ class Verifier(ABC):
 
     def score_batch(self, examples: Sequence[Example], completions: Sequence[str],
                     truncated: Sequence[bool] | None = None) -> list[VerdictRow]:
-        _check_lengths(self.name, examples, completions, truncated)
-        flags = list(truncated) if truncated is not None else [False] * len(examples)
+        flags = _batch_flags(self.name, examples, completions, truncated)
         return [self.score(e, c, truncated=t) for e, c, t in zip(examples, completions, flags)]
 
     def batch(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
@@ -68,11 +67,13 @@ class Verifier(ABC):
         return f"{type(self).__name__}()"
 
 
-def _check_lengths(name: str, examples: Sequence, completions: Sequence, truncated: Sequence | None) -> None:
+def _batch_flags(name: str, examples: Sequence, completions: Sequence, truncated: Sequence | None) -> list[bool]:
+    """The per-row truncated flags of a `score_batch` call (all False when not given), its lengths checked."""
     if len(examples) != len(completions):
         raise ValueError(f"{name}: {len(examples)} examples but {len(completions)} completions")
     if truncated is not None and len(truncated) != len(examples):
         raise ValueError(f"{name}: {len(examples)} examples but {len(truncated)} truncated flags")
+    return list(truncated) if truncated is not None else [False] * len(examples)
 
 
 # ---- the options every real verifier shares: thinking, truncation --------------------------------------------
@@ -431,13 +432,9 @@ class CodeTests(RealVerifier):
             info["failure"] = fail
         return VerdictRow(reward, code, info)
 
-    def batch(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
-        return [r.reward for r in self.score_batch(examples, completions)]
-
     def score_batch(self, examples: Sequence[Example], completions: Sequence[str],
                     truncated: Sequence[bool] | None = None) -> list[VerdictRow]:
-        _check_lengths(self.name, examples, completions, truncated)
-        flags = list(truncated) if truncated is not None else [False] * len(examples)
+        flags = _batch_flags(self.name, examples, completions, truncated)
         if len(examples) <= 1:
             return [self.score(e, c, truncated=t) for e, c, t in zip(examples, completions, flags)]
         workers = self.max_workers or max(1, min(len(examples), os.cpu_count() or 1))

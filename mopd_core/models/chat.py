@@ -13,32 +13,24 @@ of `PromptFormatter.ids`, so the model is trained, sampled and scored on the sam
   The template's end-of-turn token (what it writes after an assistant message, e.g. `<|im_end|>`) becomes a stop
   id and ends every SFT completion.
 
-An `Example.prompt` is a `str` or a sequence of `{"role", "content"}` mappings (`domains.base.Example`); this
-module reads it by duck typing, so it needs nothing from `domains/`.
+An `Example.prompt` is a `str` or a sequence of `{"role", "content"}` mappings (`domains.base.Example`), read by
+duck typing; frozen messages become plain dicts through `domains.base.thaw`.
 """
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..config import ChatConfig
+from ..domains.base import thaw
 from ..errors import ConfigError, DataError
 
 # Stands for the assistant's content when the template is rendered once to find what it writes after an
 # assistant message (no template treats it specially: plain letters and digits).
 _CONTENT_MARK = "MOPDxCONTENTx7361"
-_THINK = re.compile(r"\A\s*<think>.*?</think>\s*", re.DOTALL)
-
-
-def strip_think(text: str) -> str:
-    """`text` without a leading `<think>…</think>` block (and the whitespace around it): what a verifier should
-    see of a reasoning model's completion. An unclosed `<think>` (the budget ran out while thinking) is left as
-    it is — there is no answer after it to extract."""
-    return _THINK.sub("", text, count=1)
 
 
 def stop_token_ids(tokenizer, generation_config=None, extra: Sequence[int] = ()) -> list[int]:
@@ -58,16 +50,6 @@ def _prompt_of(item: Any) -> Any:
     if isinstance(item, str) or not hasattr(item, "prompt"):
         return item
     return item.prompt
-
-
-def _plain(value: Any) -> Any:
-    """Frozen mappings / tuples (an Example's immutable messages) as the dicts and lists a Jinja template and
-    `apply_chat_template` expect."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def preview(prompt: Any, n: int = 40) -> str:
@@ -241,7 +223,7 @@ class PromptFormatter:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise DataError(f"{_where(item)}prompt message {j} is not a {{role, content}} mapping ({m!r:.60}) "
                                 "— fix the data's prompt column")
-            msgs.append(_plain(m))
+            msgs.append(thaw(m))
         return msgs
 
     def _not_a_string(self, item: Any, prompt: Any):
@@ -295,4 +277,4 @@ def formatter_for(tokenizer, chat: ChatConfig | PromptFormatter | None = None) -
     return PromptFormatter(tokenizer, chat)
 
 
-__all__ = ["PromptFormatter", "check_prompt_kind", "formatter_for", "preview", "stop_token_ids", "strip_think"]
+__all__ = ["PromptFormatter", "check_prompt_kind", "formatter_for", "preview", "stop_token_ids"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config import RecipeConfig
+from ..domains.base import thaw
 from ..errors import DataError
 from ..evaluation import evaluate_model
 from ..models import disk_full_error, load_model, load_tokenizer, save_pretrained
@@ -54,7 +55,7 @@ def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[di
                             f"{preview(e.prompt, 30)!r} has none — add an `answer` (or `completion`) column or drop "
                             "the domain from sft.mix")
         # chat messages as plain dicts (a row must pickle to the SFT workers and load into a `datasets` table)
-        prompt = e.prompt if isinstance(e.prompt, str) else _plain(e.prompt)
+        prompt = e.prompt if isinstance(e.prompt, str) else thaw(e.prompt)
         rows.append({"prompt": prompt, "completion": completion})
     rng.shuffle(rows)
     return rows
@@ -77,15 +78,6 @@ def sft_dataset_rows(rows: list[dict], tokenizer, chat=None) -> list[dict]:
         c = fmt.completion_ids(r["completion"])
         out.append({"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)})
     return out
-
-
-def _plain(value):
-    """Frozen messages (tuples of read-only mappings) as lists of dicts."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str, object], stage_dir: str | Path,

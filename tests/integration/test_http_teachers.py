@@ -222,15 +222,16 @@ def test_unreachable_external_url(world):
 
 # -- a stub OpenAI server: the HTTP client's retry / fail-fast policy without vLLM (runs everywhere) ----------
 class _Stub:
-    """Answers like vLLM: log-prob of token id x at any position = -x/100; `fail` = statuses to answer first."""
+    """Answers like vLLM: log-prob of token id x at any position = -x/100; `fail` = statuses to answer first;
+    `prompts`: every token-id prompt it was sent (tests/unit/test_chat_format.py checks them)."""
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), max_model_len=45):
         import http.server
         import json
         import threading
 
         stub = self
-        self.fail, self.posts = list(fail), 0
+        self.fail, self.posts, self.prompts = list(fail), 0, []
 
         class H(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -245,11 +246,12 @@ class _Stub:
                 self.wfile.write(body)
 
             def do_GET(self):
-                self._send(200, {"data": [{"id": "stub", "max_model_len": 45}]})
+                self._send(200, {"data": [{"id": "stub", "max_model_len": max_model_len}]})
 
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 stub.posts += 1
+                stub.prompts.extend(req["prompt"])
                 if stub.fail:
                     code = stub.fail.pop(0)
                     msg = ("This model's maximum context length is 45 tokens. However, your prompt contains 52 "

@@ -6,10 +6,8 @@ at its default the tiny recipe tokenises and fingerprints exactly as before the 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import sys
-import threading
 import types
 from types import SimpleNamespace
 
@@ -22,8 +20,9 @@ from mopd_core.domains.base import Example, FrozenFields
 from mopd_core.errors import ConfigError
 from mopd_core.models import (IM_END, IM_START, build_tiny, build_tiny_model, build_tiny_tokenizer, load_model,
                               load_tokenizer, tokenizer_fingerprint)
-from mopd_core.models.chat import PromptFormatter, check_prompt_kind, stop_token_ids, strip_think
+from mopd_core.models.chat import PromptFormatter, check_prompt_kind, stop_token_ids
 from mopd_core.rollout import HFRollout, encode_prompts, prompt_ids, sample
+from tests.integration.test_http_teachers import _Stub
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128}
 CHAT = ChatConfig(enabled=True, system_prompt="Be brief.", user_suffix=" Answer:")
@@ -156,55 +155,14 @@ def test_formatter_renders_system_suffix_template_and_caches(chat_tiny, tmp_path
         PromptFormatter(tok, ChatConfig(enabled=True, chat_template=str(tmp_path / "nope.jinja")))
 
 
-def test_stop_ids_and_strip_think():
+def test_stop_ids():
     tok = build_tiny_tokenizer()
     assert stop_token_ids(tok) == [tok.eos_token_id]
     assert stop_token_ids(tok, SimpleNamespace(eos_token_id=[7, tok.eos_token_id]), [9, 7]) == [tok.eos_token_id, 7, 9]
     assert stop_token_ids(tok, SimpleNamespace(eos_token_id=None)) == [tok.eos_token_id]
-    assert strip_think("<think>a\nb</think>\n\n42") == "42"
-    assert strip_think("  <think></think>x <think>y</think>") == "x <think>y</think>"  # only a leading block
-    assert strip_think("42 <think>z</think>") == "42 <think>z</think>"
-    assert strip_think("<think>unfinished") == "<think>unfinished"
 
 
 # ---------------------------------------------------------------- every consumer sees the same ids
-
-
-class _Stub:
-    """A vLLM-like /v1/completions that records each request's token-id prompts."""
-
-    def __init__(self):
-        stub = self
-        self.prompts: list[list[int]] = []
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, obj):
-                body = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                self._send({"data": [{"id": "stub", "max_model_len": 512}]})
-
-            def do_POST(self):
-                req = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                stub.prompts.extend(req["prompt"])
-                self._send({"choices": [{"index": i, "prompt_logprobs": [None] + [
-                    {str(t): {"logprob": -0.5, "rank": 1}} for t in p[1:]]} for i, p in enumerate(req["prompt"])]})
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _first_inputs(model):
@@ -256,7 +214,7 @@ def test_same_messages_same_ids_in_sft_rollout_teachers_and_eval(chat_tiny, tmp_
     assert full[:P] == want and full[P:] == b.completion_ids[0][b.completion_mask[0].bool()].tolist()
 
     # http teacher: the token ids in the request body
-    stub = _Stub()
+    stub = _Stub(max_model_len=512)  # the http teachers' stub server (tests/integration/test_http_teachers)
     try:
         t = HttpTeacher("math", stub.url, retries=0)
         t.score(b)

@@ -307,7 +307,7 @@ def test_missing_or_bad_fields_are_one_line_errors(punkt_tab):
         ("ifeval", {}, Example("q", "if", None, {"instruction_id_list": ["punctuation:no_coma"], "kwargs": [{}]}),
          "unknown instruction id 'punctuation:no_coma'"),
         ("ifeval", {}, Example("q", "if", None, {"instruction_id_list": ["punctuation:no_comma"], "kwargs": []}),
-         "one dict per instruction"),
+         "object per instruction"),
         ("ifeval", {}, Example("q", "if", None, {"instruction_id_list": ["length_constraints:number_words"],
                                                  "kwargs": [{"relation": "less than"}]}), "lacks ['num_words']"),
         ("ifeval", {}, Example("q", "if", None, {"instruction_id_list": ["length_constraints:number_words"],
