@@ -115,12 +115,8 @@ class PromptFormatter:
 
     def text(self, item: Any) -> str:
         """The prompt as the model reads it, as text (the raw string with chat off)."""
-        if not self.enabled:
-            prompt = _prompt_of(item)
-            if not isinstance(prompt, str):
-                self._not_a_string(item, prompt)
-            return prompt
-        return self._apply(self.messages(item), tokenize=False)
+        msgs = self.messages(item)  # chat off: checks that the prompt is a string
+        return _prompt_of(item) if msgs is None else self._apply(msgs, tokenize=False)
 
     def ids(self, item: Any) -> list[int]:
         """The prompt's token ids (a fresh list: callers may keep or change it)."""
@@ -174,10 +170,15 @@ class PromptFormatter:
         return ids + list(self.turn_end_ids) if self.enabled else ids
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _apply(self, msgs: list[dict], *, tokenize: bool):
+    def _template_kw(self) -> dict:
+        """`chat_template_kwargs`, plus the override template when one is configured."""
         kw = dict(self.chat.chat_template_kwargs)
         if self.template is not None:
             kw["chat_template"] = self.template
+        return kw
+
+    def _apply(self, msgs: list[dict], *, tokenize: bool):
+        kw = self._template_kw()
         try:
             out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=tokenize,
                                                      return_dict=False, **kw)
@@ -192,9 +193,7 @@ class PromptFormatter:
         """What the template writes after an assistant message, as ids up to and including the first stop token
         in it (`<|im_end|>` of `<|im_end|>\\n`), and that end-of-turn id. A template that ends a turn with plain
         text has no end-of-turn token: EOS is appended after that text instead."""
-        kw = dict(self.chat.chat_template_kwargs)
-        if self.template is not None:
-            kw["chat_template"] = self.template
+        kw = self._template_kw()
         conv = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _CONTENT_MARK}]
         try:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=False, tokenize=False, **kw)
