@@ -80,7 +80,7 @@ class FrozenFields(Mapping):
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def _freeze_messages(messages: Any) -> tuple[FrozenFields, ...]:
+def freeze_messages(messages: Any) -> tuple[FrozenFields, ...]:
     """Validate chat messages and store them as a tuple of immutable {"role", "content"} mappings."""
     if isinstance(messages, Mapping) or not isinstance(messages, (list, tuple)):
         raise DomainError(f"prompt must be a string or a list of chat messages (got {type(messages).__name__}); "
@@ -131,7 +131,7 @@ class Example:
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
-            object.__setattr__(self, "prompt", _freeze_messages(self.prompt))
+            object.__setattr__(self, "prompt", freeze_messages(self.prompt))
         if not isinstance(self.fields, FrozenFields):
             object.__setattr__(self, "fields", FrozenFields(self.fields))
 
@@ -164,7 +164,7 @@ def prompt_text(prompt: Example | str | Sequence[Mapping[str, str]]) -> str:
     p = prompt.prompt if isinstance(prompt, Example) else prompt
     if isinstance(p, str):
         return p
-    return "\n\n".join(m["content"] for m in _freeze_messages(p))
+    return "\n\n".join(m["content"] for m in freeze_messages(p))
 
 
 def exact_match(completion: str, answer: str | None) -> float:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .base import DomainError, Example, thaw
@@ -82,15 +82,12 @@ def punkt_available() -> bool:
     return True
 
 
-def last_user_text(prompt: Any) -> str:
-    """The prompt as IFEval knows it: a string as is; for chat messages, the content of the last user message."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Sequence):
-        for msg in reversed(prompt):
-            if isinstance(msg, Mapping) and msg.get("role") == "user" and isinstance(msg.get("content"), str):
-                return msg["content"]
-    raise DomainError("ifeval: the prompt is neither a string nor chat messages with a user turn; fix the row")
+def last_user_text(example: Example) -> str:
+    """The prompt as IFEval knows it: a string prompt as is; for chat messages, the last user message's content."""
+    users = [m["content"] for m in example.prompt_messages() if m["role"] == "user"]
+    if not users:
+        raise DomainError("ifeval: the prompt has no user message; fix the row")
+    return users[-1]
 
 
 class IFEval(RealVerifier):
@@ -135,7 +132,7 @@ class IFEval(RealVerifier):
     def validate(self, example: Example) -> None:
         registry, _ = lm_eval_ifeval()
         ids, kwargs = self._fields(example)
-        last_user_text(example.prompt)
+        last_user_text(example)
         for j, (iid, kw) in enumerate(zip(ids, kwargs)):
             cls = registry.INSTRUCTION_DICT.get(iid)
             if cls is None:
@@ -158,7 +155,7 @@ class IFEval(RealVerifier):
         _, utils = lm_eval_ifeval()
         ids, kwargs = self._fields(example)
         self._need_punkt(ids)
-        inp = utils.InputExample(key=0, instruction_id_list=ids, prompt=last_user_text(example.prompt), kwargs=kwargs)
+        inp = utils.InputExample(key=0, instruction_id_list=ids, prompt=last_user_text(example), kwargs=kwargs)
         check = utils.test_instruction_following_strict if self.mode == "strict" else \
             utils.test_instruction_following_loose
         out = check(inp, answer)

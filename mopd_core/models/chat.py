@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ChatConfig
-from ..domains.base import thaw
+from ..domains.base import freeze_messages, thaw
 from ..errors import ConfigError, DataError
 
 # Stands for the assistant's content when the template is rendered once to find what it writes after an
@@ -214,16 +214,12 @@ class PromptFormatter:
         return ids + ([eos] if eos is not None else []), None
 
     def _checked(self, item: Any, prompt: Any) -> list[dict]:
-        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or not prompt:
-            raise DataError(f"{_where(item)}prompt must be a string or a non-empty list of {{role, content}} "
-                            f"messages (got {type(prompt).__name__}) — fix the data's prompt column")
-        msgs = []
-        for j, m in enumerate(prompt):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise DataError(f"{_where(item)}prompt message {j} is not a {{role, content}} mapping ({m!r:.60}) "
-                                "— fix the data's prompt column")
-            msgs.append(thaw(m))
-        return msgs
+        """Messages as plain dicts, checked by the loader's rule (`domains.base.freeze_messages`; an Example's are
+        already frozen by it)."""
+        try:
+            return thaw(freeze_messages(prompt))
+        except DataError as e:
+            raise DataError(f"{_where(item)}{e}") from None
 
     def _not_a_string(self, item: Any, prompt: Any):
         _messages_need_chat(item, prompt)
