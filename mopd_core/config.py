@@ -367,6 +367,15 @@ class RecipeConfig(_Model):
     def domain_names(self) -> list[str]:
         return [d.name for d in self.data.domains]
 
+    def dataset_readers(self) -> dict[str, list[str]]:
+        """{dataset source: the domains that read it} (a file several domains share must name each row's
+        teacher_id: `domains.dataset.domain_examples`)."""
+        out: dict[str, list[str]] = {}
+        for d in self.data.domains:
+            if not d.source.startswith("synthetic:"):
+                out.setdefault(d.source, []).append(d.name)
+        return out
+
     def expert_domains(self) -> list[str]:
         """The domains that get an expert (each then a teacher): `expert.domains`, else every data domain."""
         return list(self.expert.domains or self.domain_names())

@@ -258,12 +258,13 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
 
 def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) -> None:
     """Every prompt fits data.max_prompt_tokens with the run's tokenizer (the rollout's own rule)."""
-    from .domains import load_examples_cached
     from .domains.base import prompt_text
+    from .domains.dataset import domain_examples
     from .rollout import prompt_ids
 
     limit = recipe.data.max_prompt_tokens
     fix = f"raise data.max_prompt_tokens (now {limit})"
+    readers = recipe.dataset_readers()
     for spec in recipe.data.domains:
         if spec.name not in domains:
             continue
@@ -277,9 +278,9 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
                                     f"data.max_prompt_tokens={limit} — {fix} or shorten the task (params)")
             continue
         # the domain's own rows (a shared file's other rows are its other domains'), read with its column map
-        rows = [(i, e) for i, e in enumerate(load_examples_cached(
-            spec.source, split=spec.params.get("split"), column_map=spec.params, default_teacher_id=spec.name))
-            if e.teacher_id == spec.name]
+        rows = [(i, e) for i, e in enumerate(domain_examples(spec.source, spec.params, spec.name,
+                                                             shared=len(readers[spec.source]) > 1))
+                if e.teacher_id == spec.name]
         # rendered as the rollout renders them (chat template, system prompt, suffix: `data.chat`)
         for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e for _, e in rows], chat=recipe.data.chat)):
             if len(ids) > limit:

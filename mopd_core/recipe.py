@@ -58,21 +58,16 @@ def setup_runtime(recipe: RecipeConfig) -> None:
 def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
     """Every domain of the recipe (or `names`). Dataset sources are checked whole first: a row whose
     teacher_id is no domain of the recipe is an error naming it — never silently dropped."""
-    from .domains import check_teacher_ids, load_examples_cached
+    from .domains import check_teacher_ids
+    from .domains.dataset import domain_examples
 
     known = recipe.domain_names()
-    readers: dict[str, list[str]] = {}
-    for d in recipe.data.domains:
-        if not d.source.startswith("synthetic:"):
-            readers.setdefault(d.source, []).append(d.name)
+    readers = recipe.dataset_readers()
     for d in recipe.data.domains:  # each with its own column map
         if not d.source.startswith("synthetic:"):
-            # a file of one domain may leave teacher_id out (its rows are that domain's); a file several domains
-            # read must say whose each row is — defaulting would give every one of them all the rows
             shared = len(readers[d.source]) > 1
             try:
-                rows = load_examples_cached(d.source, split=d.params.get("split"), column_map=d.params,
-                                            default_teacher_id=None if shared else d.name)
+                rows = domain_examples(d.source, d.params, d.name, shared=shared)
             except DomainError as e:
                 if shared and "teacher_id" in str(e):
                     raise DomainError(f"{e} (domains {', '.join(readers[d.source])} share this file: each row "
@@ -81,7 +76,8 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
             check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
-                                 verifier=d.verifier, verifier_args=d.verifier_args) for d in specs}
+                                 verifier=d.verifier, verifier_args=d.verifier_args,
+                                 shared=len(readers.get(d.source, ())) > 1) for d in specs}
 
 
 def model_ref_id(path: str | Path) -> str:

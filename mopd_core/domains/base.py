@@ -250,7 +250,7 @@ SYNTHETIC_PREFIX = "synthetic:"
 
 def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None, eval_size: int = 200,
                  seed: int = 0, verifier: str | None = None,
-                 verifier_args: Mapping[str, Any] | None = None) -> Domain:
+                 verifier_args: Mapping[str, Any] | None = None, shared: bool = False) -> Domain:
     """Build the domain `name` from `source`.
 
     source "synthetic:<kind>": a registered synthetic domain (its own exact-match reward; `params` go to its
@@ -264,6 +264,7 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
     verifier: dataset sources only (default exact_match); synthetic domains accept only None/"exact_match".
     verifier_args: keyword arguments of the verifier's constructor (e.g. {"mode": "aime"} for math_verify); an
                    unknown one is an error naming the domain, the argument and the accepted ones.
+    shared: other domains read the same file, so its rows must name their teacher_id (`dataset.domain_examples`).
     """
     if not isinstance(name, str) or not name:
         raise DomainError(f"domain name must be a non-empty string (got {name!r}); set data.domains[].name")
@@ -283,7 +284,7 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         factory = get_domain_factory(kind)
         return factory(name=name, eval_size=eval_size, seed=seed, **params)
 
-    from .dataset import DatasetDomain, load_examples_cached
+    from .dataset import DatasetDomain, domain_examples
     from .schemas import COLUMN_MAP_PARAMS
 
     known = {"split", "verifier", "max_eval_fraction", *COLUMN_MAP_PARAMS}
@@ -304,8 +305,7 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
         v = get_verifier(v, **dict(verifier_args or {}))
     except DomainError as e:
         raise DomainError(f"domain '{name}': {e}") from None
-    examples = load_examples_cached(source, split=params.get("split"), column_map=params,
-                                    default_teacher_id=name)
+    examples = domain_examples(source, params, name, shared=shared)
     kwargs = {}
     if "max_eval_fraction" in params:
         kwargs["max_eval_fraction"] = params["max_eval_fraction"]

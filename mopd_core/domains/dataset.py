@@ -100,6 +100,16 @@ def load_examples_cached(path: str | os.PathLike, *, split: str | None = None,
     return list(_cached(str(p.resolve()), st.st_mtime_ns, st.st_size, split, cm, default_teacher_id))
 
 
+def domain_examples(source: str | os.PathLike, params: Mapping[str, Any], name: str, *,
+                    shared: bool = False) -> list[Example]:
+    """Every row of a dataset domain's file, as the recipe reads it (its params' split and column map). A file
+    only this domain reads may leave teacher_id out (its rows are the domain's); a `shared` file — several
+    domains read it — must name each row's teacher_id, else defaulting would give each of them every row. One
+    rule (and so one cache entry) for the teacher-id check, the pre-flight and the domain itself."""
+    return load_examples_cached(source, split=params.get("split"), column_map=params,
+                                default_teacher_id=None if shared else name)
+
+
 def filter_long_prompts(examples: Sequence[Example], max_tokens: int, count_tokens: Callable[[Example], int], *,
                         source: str = "the dataset") -> tuple[list[Example], int]:
     """Drop the examples whose prompt is over `max_tokens` (as `count_tokens(example)` measures it — the caller's

@@ -570,3 +570,23 @@ def test_a_file_of_one_domain_may_leave_teacher_id_out_a_shared_one_may_not(tmp_
         R.build_domains(two)
     msg = str(e.value)
     assert "\n" not in msg and "teacher_id" in msg and "math, code share this file" in msg, msg
+
+
+def test_a_shared_file_is_read_once_for_the_check_and_every_domain(tmp_path):
+    """`recipe.build_domains` over one file of two domains: the teacher-id check and both domains take the same
+    loader entry (`domains.dataset.domain_examples`), so the file is parsed once, not once per reader."""
+    from mopd_core import recipe as R
+    from mopd_core.config import load_config
+    from mopd_core.domains import dataset as D
+    from tests.conftest import tiny_overrides
+
+    src = tmp_path / "both.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{i}+1=", "teacher_id": t, "answer": str(i + 1)}) + "\n"
+                           for i in range(12) for t in ("math", "code")))
+    cfg = load_config("tiny", tiny_overrides(tmp_path) + [
+        f"data.domains=[{{name: math, source: '{src}', eval_size: 2}}, {{name: code, source: '{src}', eval_size: 2}}]",
+        "sft.mix=null", "mopd.mix=null"])
+    D._cached.cache_clear()
+    doms = R.build_domains(cfg)
+    assert D._cached.cache_info().misses == 1
+    assert {e.teacher_id for e in doms["code"].eval_examples()} == {"code"}
