@@ -224,7 +224,8 @@ def _lm_head_tile_width(vocab: int):
     """TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`) allocates a `[4096, 32768]` projection tile on
     every forward and backward whatever the vocabulary. For a vocabulary under 32k only `vocab` columns are used,
     and on CPU (no caching allocator) the 512 MiB buffer costs ~0.2 s a call: 30 % of an SFT step of the tiny model
-    (profiled). The tile's width is a module constant read at call time; cap it at the vocabulary while training.
+    (cProfile of 40 steps on the 2-core EPYC: 18.3 s of 61.7 s in `torch.empty`; sys time 44.8 → 7.0 s capped).
+    The tile's width is a module constant read at call time; cap it at the vocabulary while training.
     Same tiles, so the same numbers (one vocab tile either way); no effect on vocabularies of 32k and more."""
     try:
         import trl.trainer.utils as trl_utils
