@@ -202,6 +202,12 @@ class TeacherServers(Supervisor):
             # every server to the same core, and spinning OpenMP threads collapse under contention)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             env.setdefault("OMP_NUM_THREADS", "1")
+            if self.tensor_parallel_size == 1:
+                # vLLM's CPU platform turns the one-process `uni` executor into `mp` (one more process that
+                # imports vLLM again: ~20 s of a ~60 s start on 2 cores) unless V1 multiprocessing is off; its
+                # reason, OpenMP set-up per worker, does not apply with one unbound thread. The engine core
+                # still runs in its own process (the API server's AsyncLLM), so a kill reaches it the same way.
+                env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         else:
             env["CUDA_VISIBLE_DEVICES"] = s.device.split(":", 1)[-1]
         env.update(self.extra_env)
@@ -213,6 +219,8 @@ class TeacherServers(Supervisor):
                str(self.max_logprobs), "--dtype", self.dtype, "--enforce-eager"]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        elif s.device == "cpu" and not any(a.startswith("--distributed-executor-backend") for a in self.extra_args):
+            cmd += ["--distributed-executor-backend", "uni"]  # the worker inside the engine core (see _env)
         if self.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + self.extra_args

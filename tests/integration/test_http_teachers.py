@@ -100,6 +100,20 @@ def _group_alive(pgid: int) -> bool:
     return _alive_group(pgid)
 
 
+def _group_members(pgid: int) -> list[str]:
+    """Command lines of the live processes in process group `pgid` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            rest = (d / "stat").read_text().rsplit(")", 1)[1] if d.name.isdigit() else ""
+        except OSError:
+            continue
+        f = rest.split()
+        if f and f[0] != "Z" and int(f[2]) == pgid:
+            out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return out
+
+
 def _cfg(**kw):
     from mopd_core.config import TeachersConfig
 
@@ -116,6 +130,10 @@ def test_manifest_names_every_server(servers, world):
         assert e["url"].startswith("http://127.0.0.1:") and e["max_model_len"] == MAX_SEQ + 1
         assert e["pid"] and _group_alive(e["pid"]) and Path(e["log"]).exists()
         assert e["model"] == e["checkpoint"] == str(Path(world[tid]).resolve())
+        # one CPU server is two processes, the API server and its engine core with the model worker inside
+        # (serving.py's `uni` executor; vLLM's default on CPU adds a third that imports vLLM again)
+        procs = [c for c in _group_members(e["pid"]) if "multiprocessing.resource_tracker" not in c]
+        assert len(procs) == 2, procs
     print(f"two servers healthy after {servers.startup_s:.1f} s")
 
 

@@ -58,9 +58,13 @@ def soak(services, reliability_tmp):
         sampler.stop_.set()
         sampler.join(5)
     wall = time.monotonic() - t0
-    # flow-run processes exit when their run ends: give the process set up to a minute to settle
+    # flow-run processes exit when their run ends, and the worker closes the loopback listener it opens for
+    # each run (Prefect's attempt control channel, prefect/runner/_control_channel.py) only once its own
+    # bookkeeping of that run is done, which can be after the API already says COMPLETED: give the process and
+    # port sets up to a minute to settle
     deadline = time.monotonic() + 60
-    while (after_pids := pids_with_env(services.mark)) - before_pids and time.monotonic() < deadline:
+    while (((after_pids := pids_with_env(services.mark)) - before_pids
+            or listening(after_pids) != before_ports) and time.monotonic() < deadline):
         time.sleep(0.5)
     return {"runs": runs, "wall_s": wall, "before_pids": before_pids, "after_pids": after_pids,
             "before_ports": before_ports, "after_ports": listening(after_pids), "seen": sampler.seen,
