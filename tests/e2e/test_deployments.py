@@ -27,7 +27,9 @@ class Services:
         self.tmp = tmp
         self.pport, self.mport = free_port(), free_port()
         self.env = isolated_env(tmp, MOPD_SERVICES_DIR=str(tmp / "services"), PREFECT_PORT=str(self.pport),
-                                MLFLOW_PORT=str(self.mport), MOPD_START_TIMEOUT="240")
+                                MLFLOW_PORT=str(self.mport), MOPD_START_TIMEOUT="240",
+                                # the worker asks for new runs every second (default 10 s: ~5 s lost a run)
+                                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5")
         self.env.pop("MLFLOW_TRACKING_URI")
         self.api = f"http://127.0.0.1:{self.pport}/api"
         self.mlflow = f"http://127.0.0.1:{self.mport}"
