@@ -174,13 +174,14 @@ def test_serve_teachers_flow_is_a_checked_start_and_stop(second_runs):
 @pytest.fixture(scope="module")
 def killed_run(recipe_run):
     """The mopd flow on the recipe's registered math expert alone (mixture routing: one server to start on two
-    cores, not three; 4 steps, teachers.restarts=1); once its student has logged step 2, the test SIGKILLs the
+    cores, not three; 8 steps — a step takes ~2 s, so the kill lands well before the last scoring call —,
+    teachers.restarts=1); once its student has logged step 2, the test SIGKILLs the
     `math` server's process group (pid from the serve-teachers manifest)."""
     import signal
     import time
 
     tmp, env, _ = recipe_run
-    kw = {"config": "tiny", "overrides": _http(tmp) + ["mopd.steps=4", "mopd.save_every=1", "teachers.restarts=1",
+    kw = {"config": "tiny", "overrides": _http(tmp) + ["mopd.steps=8", "mopd.save_every=1", "teachers.restarts=1",
                                                        "teachers.routing=mixture"],
           "init": "models:/t-sft/1", "teacher_refs": {"math": "models:/t-expert-math/1"}, "refresh": True}
     t0 = time.time()
@@ -190,7 +191,7 @@ def killed_run(recipe_run):
     try:
         deadline = time.monotonic() + 600
         while killed is None and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
             fresh = lambda pat: [f for f in tmp.glob(pat) if f.stat().st_mtime >= t0]  # noqa: E731
             manifests, metrics = fresh("runs/t/stages/**/serve-teachers/endpoints.json"), fresh(
                 "runs/t/stages/**/student/metrics.jsonl")
@@ -217,7 +218,7 @@ def test_killed_server_mid_mopd_restarts_and_mlflow_shows_it(killed_run):
     assert student.info.status == "FINISHED"
     assert json.loads(student.data.tags["mopd.teacher_restarts"]) == {"math": 1}
     hist = c.get_metric_history(student.info.run_id, "teacher/math/restarts")
-    assert sum(m.value for m in hist) == 1 and {m.step for m in hist} == {1, 2, 3, 4}
+    assert sum(m.value for m in hist) == 1 and {m.step for m in hist} == set(range(1, 9))
     assert not pid_alive(killed)
     assert procs == {"procs": [], "registered": 0}, procs
     assert vllm_processes(str(tmp)) == []
