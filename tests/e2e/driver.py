@@ -2,7 +2,7 @@
 ephemeral mode or PREFECT_API_URL). `python tests/e2e/driver.py SPEC.json OUT.json`.
 
 SPEC: {"ops": [{"op": "run", "flow": "full-recipe", "kwargs": {...}}, {"op": "flow_run", "id": "..."},
-              {"op": "vllm_procs", "needle": "/tmp/..."}]}
+              {"op": "vllm_procs", "needle": "/tmp/..."}, {"op": "call", "fn": "module:function", "args": [...]}]}
 OUT: one result per op: flow runs with their state, task runs (name, state) and artifacts (key, type).
 """
 
@@ -143,6 +143,11 @@ def main() -> int:
                 results.append(vllm_procs(op))
             elif op["op"] == "flow_run":
                 results.append(describe_flow_run(op["id"]))
+            elif op["op"] == "call":  # a test's own check between flow runs of one driver, e.g. hashing a folder
+                import importlib
+
+                mod, fn = op["fn"].split(":")
+                results.append(getattr(importlib.import_module(mod), fn)(*op.get("args", [])))
             else:
                 raise ValueError(op)
         except BaseException as e:  # noqa: BLE001

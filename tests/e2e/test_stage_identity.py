@@ -38,41 +38,48 @@ def tree_hash(d: Path) -> str:
     return h.hexdigest()
 
 
-def finals(run_dir: Path) -> dict[str, str]:
-    return {s: tree_hash(run_dir / s / "final") for s in TRAINED}
+def finals(run_dir: Path | str) -> dict[str, str]:
+    return {s: tree_hash(Path(run_dir) / s / "final") for s in TRAINED}
+
+
+def listing(d: Path | str) -> list[str]:
+    return sorted(p.name for p in Path(d).iterdir())
 
 
 def states(res: dict) -> dict[str, str]:
     return {t["name"]: t["state_name"] for t in res["flow_run"]["task_runs"]}
 
 
-def run(tmp: Path, env: dict, overrides: list[str], tag: str) -> dict:
-    (res,) = drive(tmp, [{"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny",
-                                                                       "overrides": overrides}}], env, timeout=900,
-                   tag=tag)
-    assert res["ok"], res.get("error")
+def _run(overrides: list[str]) -> dict:
+    return {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": overrides}}
+
+
+def _ok(res: dict, tmp: Path, tag: str) -> dict:
+    assert res.get("ok"), (res.get("error"), res.get("traceback"), (tmp / f"{tag}.log").read_text()[-4000:])
     return res
 
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory):
+    """Runs 1-4 in one driver process (one Prefect start-up, not four), checks between them as driver calls;
+    run 5 in a process of its own, as a user pointing the same folder at a new tracking store would."""
     tmp = tmp_path_factory.mktemp("identity")
     env = isolated_env(tmp)
     runs = tmp / "runs"
     rd = runs / "t"
     base, more = short_overrides(runs), short_overrides(runs, mopd_steps=5)
+    me = "tests.e2e.test_stage_identity"
+    fin = {"op": "call", "fn": f"{me}:finals", "args": [str(rd)]}
+    res = drive(tmp, [_run(base), fin, _run(more), fin, _run(more + ["sft.lr=0.001"]),
+                      {"op": "call", "fn": f"{me}:listing", "args": [str(rd)]}, _run(more), fin], env, timeout=1100,
+                tag="r1-4")
     out = {"tmp": tmp, "env": env, "rd": rd}
-    out["r1"] = run(tmp, env, base, "r1")
-    out["f1"] = finals(rd)
-    out["r2"] = run(tmp, env, more, "r2")
-    out["f2"] = finals(rd)
-    out["r3"] = run(tmp, env, more + ["sft.lr=0.001"], "r3")
-    out["ls3"] = sorted(p.name for p in rd.iterdir())
-    out["r4"] = run(tmp, env, more, "r4")
-    out["f4"] = finals(rd)
+    for k, v in zip(("r1", "f1", "r2", "f2", "r3", "ls3", "r4", "f4"), res):
+        out[k] = _ok(v, tmp, "r1-4") if k.startswith("r") else v
     env5 = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'fresh-mlflow.db'}"}
     out["env5"] = env5
-    out["r5"] = run(tmp, env5, more, "r5")
+    (r5,) = drive(tmp, [_run(more)], env5, timeout=900, tag="r5")
+    out["r5"] = _ok(r5, tmp, "r5")
     return out
 
 
