@@ -413,3 +413,65 @@ def plot_accuracy(results: Mapping[str, Mapping[str, Mapping[str, float]]], path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------- the eval stage's report
+
+
+@dataclass
+class EvalReport:
+    """What the eval stage produced: `accuracy` ({model: {domain: {metric: value}}}), the Markdown `table`
+    (per-benchmark columns and a total when a domain has benchmarks), `benchmarks` (one record per model ×
+    benchmark, for a Prefect table), `rows` (per-completion results, each with its `model`) and, once `write`
+    ran, the `files` written ({name: path})."""
+
+    accuracy: dict[str, dict[str, dict[str, float]]]
+    table: str
+    benchmarks: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+    metric: str = "greedy"
+
+    def write(self, out_dir: str | Path, extra: Mapping[str, Any] | None = None) -> dict[str, Path]:
+        """accuracy.md (the table), accuracy.json (scores, benchmark records and `extra`, e.g. wall seconds or
+        model refs), accuracy.png (per-domain headlines) and eval_rows.jsonl (every completion) in `out_dir`."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "accuracy.md").write_text(self.table + "\n")
+        (out / "accuracy.json").write_text(json.dumps({"accuracy": self.accuracy, "benchmarks": self.benchmarks,
+                                                       **(extra or {})}, indent=2))
+        plot_accuracy(self.accuracy, out / "accuracy.png", self.metric)
+        write_rows_jsonl(self.rows, out / ROWS_FILE)
+        self.files = {f: out / f for f in ("accuracy.md", "accuracy.json", "accuracy.png", ROWS_FILE)}
+        return self.files
+
+
+ROWS_FILE = "eval_rows.jsonl"
+
+
+def benchmark_records(results: Mapping[str, Mapping[str, Mapping[str, float]]],
+                      sources: Mapping[str, Sequence[EvalSource]]) -> list[dict[str, Any]]:
+    """One record per model × benchmark: model, domain, benchmark, n, temperature, headline metric, then every
+    reported metric (values in %, 2 decimals; truncation_rate too)."""
+    out = []
+    for model, r in results.items():
+        for d, specs in sources.items():
+            for s in specs:
+                met = {k.split("/", 1)[1]: v for k, v in (r.get(d) or {}).items() if k.startswith(f"{s.name}/")}
+                if not met:
+                    continue
+                out.append({"model": model, "domain": d, "benchmark": s.name, "n": s.n,
+                            "temperature": s.temperature, "headline": s.headline(),
+                            **{k: round(100 * v, 2) for k, v in met.items()}})
+    return out
+
+
+def eval_report(results: Mapping[str, Mapping[str, Mapping[str, float]]], rows: Sequence[Mapping[str, Any]],
+                domains: Sequence[str], sources: Mapping[str, Sequence[EvalSource]] | None = None,
+                metric: str = "greedy") -> EvalReport:
+    """The report of an evaluation. The table keeps its `| model | <domain>… |` shape; with benchmarks it adds
+    each benchmark's headline column and the total (mean of the domains)."""
+    sources = dict(sources or {})
+    table = accuracy_table(results, metric, list(domains), benchmarks=bool(sources), total=bool(sources))
+    return EvalReport({k: {d: dict(m) for d, m in v.items()} for k, v in results.items()}, table,
+                      benchmark_records(results, sources), list(rows), metric=metric)

@@ -327,18 +327,30 @@ def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool =
     return mopd_stage(base, init, {}, progress=progress, stage_name="grpo-baseline")
 
 
-def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path]) -> dict[str, dict[str, dict[str, float]]]:
+def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path], out_dir: str | Path | None = None,
+               extra: dict | None = None):
+    """Evaluate every model ({label: checkpoint}) on each domain's benchmarks (`eval_sources`) or held-out split;
+    an `evaluation.EvalReport`. With `out_dir`: its files written there (`EvalReport.write`; `extra` goes into
+    accuracy.json). Every benchmark file is read and checked before the first model loads."""
+    from .evaluation import eval_report, eval_sources_of
     from .train.loop import evaluate_checkpoint
 
     domains = build_domains(recipe)
     preflight.check_stage(recipe, "eval", models=models, domains=domains)
-    return {label: evaluate_checkpoint(path, recipe, domains) for label, path in models.items()}
+    acc, rows = {}, []
+    for label, path in models.items():
+        res = evaluate_checkpoint(path, recipe, domains)
+        acc[label] = res.scores
+        rows.extend({"model": label, **r} for r in res.rows)
+    rep = eval_report(acc, rows, recipe.domain_names(), eval_sources_of(recipe))
+    if out_dir is not None:
+        rep.write(out_dir, extra)
+    return rep
 
 
 def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = False,
                baseline: bool = False) -> RecipeResult:
     """sft → one expert per domain → mopd (student from sft, teachers = experts) → evaluate."""
-    from .evaluation import accuracy_table, plot_accuracy
 
     setup_runtime(recipe)
     run_dir = recipe.run_dir()
@@ -362,14 +374,10 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
         outputs["grpo-baseline"] = grpo_baseline_stage(recipe, outputs["sft"].model_dir, progress)
     te = time.perf_counter()
     models = {"base": base, **{k: v.model_dir for k, v in outputs.items()}}
-    acc = eval_stage(recipe, models)
+    rep = eval_stage(recipe, models)
     wall = {k: v.wall_s for k, v in outputs.items()}
     wall["eval"] = time.perf_counter() - te
     wall["total"] = time.perf_counter() - t0
-    table = accuracy_table(acc, "greedy", recipe.domain_names())
-    (run_dir / "accuracy.md").write_text(table + "\n")
-    plot_accuracy(acc, run_dir / "accuracy.png")
-    import json
-
-    (run_dir / "accuracy.json").write_text(json.dumps({"accuracy": acc, "wall_s": wall}, indent=2))
+    rep.write(run_dir, extra={"wall_s": wall})
+    acc, table = rep.accuracy, rep.table
     return RecipeResult(outputs, acc, table, wall)

@@ -26,7 +26,7 @@ import torch
 from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
-from ..evaluation import evaluate_model
+from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
@@ -508,10 +508,24 @@ def _truncate_metrics(path: Path, upto_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> dict:
+def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> EvalResult:
+    """Scores and per-row results of one checkpoint (`evaluation.evaluate`): each domain's `eval_sources`
+    benchmarks, else its held-out split. Generation goes through `rollout.backend` (vLLM on GPU, sized for the
+    longest benchmark budget), rendered and stopped as `data.chat` says."""
     dinfo = devlib.resolve(recipe.runtime.device)
     model = load_model(path, dinfo.torch_device, recipe.runtime.dtype).eval()
     tok = load_tokenizer(path)
     cfg = eval_cfg or recipe.eval
-    return evaluate_model(model, tok, domains, cfg, dinfo.torch_device,
-                          cfg.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed, chat=recipe.data.chat)
+    new = cfg.max_new_tokens or recipe.rollout.max_new_tokens
+    sources = eval_sources_of(recipe)
+    engine = None
+    if recipe.rollout.backend != "hf":
+        budget = max([new] + [s.max_new_tokens or new for specs in sources.values() for s in specs])
+        engine = build_rollout(recipe, model, tok, dinfo.torch_device,
+                               max_model_len=recipe.data.max_prompt_tokens + budget)
+    try:
+        return evaluate(model, tok, domains, cfg, dinfo.torch_device, new, recipe.seed, chat=recipe.data.chat,
+                        sources=sources, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
