@@ -277,7 +277,19 @@ class RolloutConfig(_Model):
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers forward "
                                            "with KV cache, any device) or `vllm` (in-process, GPU/NPU).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs use it too.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 = off). Truncation (top_p < 1, "
+                         "top_k > 0 or min_p > 0): the engines report the processed log-probs of the truncated, "
+                         "renormalised distribution sampled from (vLLM logprobs_mode=processed_logprobs); the "
+                         "expert/MOPD update recomputes the behaviour log-probs with the trainer's model (the "
+                         "untruncated log_softmax(logits / temperature), as verl's old_log_prob and TRL) before the "
+                         "PPO ratio and the reverse-KL advantage use them; rollout/trunc_logp_gap logs the "
+                         "difference per token (≥ 0).")
+    # top_k / min_p are left out of the dump while off, so configs without them keep their stage fingerprints
+    top_k: int = Field(0, ge=0, exclude_if=lambda v: v == 0, description="Sample among the k most likely tokens "
+                       "(0 = off); training rollouts too. Behaviour log-probs as for top_p.")
+    min_p: float = Field(0.0, ge=0, lt=1, exclude_if=lambda v: v == 0, description="Drop tokens with p < min_p · "
+                         "p_max (0 = off); applied before top_k and top_p (vLLM's order). Behaviour log-probs as "
+                         "for top_p.")
     max_new_tokens: int = Field(12, ge=1, description="Completion budget; unfinished samples are truncated.")
     batch_size: int | None = Field(None, ge=1, description="Sequences per generation call; None = all at once.")
     gpu_memory_utilization: float | None = Field(
@@ -288,6 +300,12 @@ class RolloutConfig(_Model):
     engine_process: Literal["inprocess", "separate"] = Field(
         "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
         "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling drops tokens (top_p < 1, top_k > 0 or min_p > 0): then the engines' behaviour log-probs
+        are the processed ones and the policy loop recomputes them with the trainer's model."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 class TeachersConfig(_Model):

@@ -132,13 +132,20 @@ def precision_fingerprint_part(recipe: RecipeConfig) -> dict:
     return {} if recipe.runtime.dtype == "float32" else {"master_weights": devlib.TRAIN_MASTER_DTYPE}
 
 
+def behaviour_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
+    """With truncated sampling the policy loop recomputes the behaviour log-probs with the trainer's model (before,
+    a top_p < 1 stage trained on the engine's processed ones): marked in the expert/mopd fingerprints then, and
+    only then, so untruncated stages keep their identity and truncated ones are retrained, not reused."""
+    return [{"behaviour_logp": "trainer_recomputed"}] if recipe.rollout.truncates else []
+
+
 def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
-                             train_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
 
 
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
@@ -148,7 +155,7 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
                              init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
-                             train_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:

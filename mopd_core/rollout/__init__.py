@@ -269,8 +269,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     `logprobs_mode="processed_logprobs"`, which `VllmRollout` uses: `log_softmax(logits / temperature)` restricted
     to the tokens `sampling_mask` keeps (min_p, top_k, top_p) and renormalised. Without truncation (top_p = 1,
     top_k = 0, min_p = 0, the defaults) that is the plain tempered log-softmax, the trainer's
-    `completion_logprobs`; with it, it exceeds the trainer's by log(mass kept) ≥ 0. `greedy`: the tempered
-    log-softmax of the argmax token (truncation never changes the argmax)."""
+    `completion_logprobs`; with it, it exceeds the trainer's by log(mass kept) ≥ 0 (the policy loop then
+    recomputes them with the trainer: `train.loop.recompute_behaviour_logp`). `greedy`: the tempered log-softmax
+    of the argmax token (truncation never changes the argmax)."""
     B = prompt_ids.shape[0]
     dev = prompt_ids.device
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)

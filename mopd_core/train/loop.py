@@ -10,6 +10,8 @@ so a resumed run replays exactly the steps an uninterrupted one would have taken
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -240,11 +242,18 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 phases.begin_step(step + 1)
 
                 t0 = time.perf_counter()
+                ro = recipe.rollout
                 with phases.rollout(), amp():  # behaviour log-probs in the compute dtype of the update
-                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
-                                            top_p=recipe.rollout.top_p, generator=gen,
-                                            batch_size=recipe.rollout.batch_size)
+                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=ro.temperature,
+                                            top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
+                                            batch_size=ro.batch_size)
                 t_roll = time.perf_counter() - t0
+                trunc: dict[str, float] = {}
+                if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
+                    t0 = time.perf_counter()
+                    batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
+                                                            loop_cfg.micro_batch_size, amp)
+                    trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
                 rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
                 mask = batch.completion_mask.float()
 
@@ -302,6 +311,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
                                                             else 1) / max(t_score, 1e-9)
                 m.update(upd)
+                m.update(trunc)
                 dt = time.perf_counter() - t_step
                 seq_tok = n_tok + int(batch.prompt_mask.sum())
                 m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
@@ -360,6 +370,32 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def recompute_behaviour_logp(model, batch: RolloutBatch, temperature: float, impl: str = "chunked",
+                             micro_batch_size: int | None = None, amp=contextlib.nullcontext
+                             ) -> tuple[RolloutBatch, dict[str, float]]:
+    """`batch` with its behaviour log-probs replaced by the trainer's `completion_logprobs` (no gradient, in `amp`),
+    and `rollout/trunc_logp_gap`: the mean over completion tokens of (engine's − recomputed), ≥ 0.
+
+    With truncated sampling (rollout.top_p < 1, top_k > 0 or min_p > 0) the engines report processed log-probs
+    (the renormalised truncated distribution, vLLM's processed_logprobs), which exceed the trainer's untruncated
+    log_softmax(logits / T) by log(mass kept): used as π_old they make the first PPO ratio exp(−gap) instead of 1
+    and shift the reverse-KL advantage by the gap. verl recomputes old_log_prob with the actor (the rollout's
+    log-probs serve only its importance-sampling correction) and TRL's GRPO takes the old log-probs from the model,
+    so the ratio and the advantage compare the trainer's distribution with itself. With a `PolicyTrainer` the
+    driver's `model` holds the workers' weights of this step (reloaded after each update), so it scores for them.
+    """
+    from .. import rollout as rollout_mod  # looked up at call time (tests count the forwards)
+
+    with torch.no_grad(), amp():
+        logp = rollout_mod.completion_logprobs(model, batch, temperature, impl=impl,
+                                               micro_batch_size=micro_batch_size)
+    cm = batch.completion_mask.bool()
+    logp = torch.where(cm, logp, torch.zeros_like(logp)).to(batch.behaviour_logp.dtype)  # 0 where masked
+    n = int(cm.sum())
+    gap = float((batch.behaviour_logp.double() - logp.double())[cm].sum()) / n if n else 0.0
+    return dataclasses.replace(batch, behaviour_logp=logp), {"rollout/trunc_logp_gap": gap}
 
 
 def enable_gradient_checkpointing(model) -> None:
