@@ -234,7 +234,14 @@ class ChatConfig(_Model):
 
 class DataConfig(_Model):
     domains: list[DomainSpec] = Field(description="The domains of the recipe; one expert/teacher each.")
-    max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this are an error.")
+    max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this (as the rollout renders them, "
+                                   "chat template included) are a pre-flight error, or dropped with "
+                                   "filter_overlong_prompts.")
+    # left out of the dump while false: the default changes nothing, so fingerprints stay
+    filter_overlong_prompts: bool = Field(False, exclude_if=lambda v: not v, description="Drop the dataset rows "
+                                          "whose prompt is over max_prompt_tokens (counted and logged per domain, "
+                                          "as verl's data.filter_overlong_prompts) instead of failing the "
+                                          "pre-flight on the first; synthetic domains and benchmarks still fail.")
     # left out of the dump (and so of every fingerprint) while disabled: the settings change nothing then, and
     # configs without the section keep the identity they had before it existed
     chat: ChatConfig = Field(default_factory=ChatConfig, exclude_if=lambda c: not c.enabled,

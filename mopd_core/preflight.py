@@ -306,6 +306,8 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
                                     f"{prompt_text(e)[:40]!r} has {len(ids)} tokens, over "
                                     f"data.max_prompt_tokens={limit} — {fix} or shorten the task (params)")
             continue
+        if recipe.data.filter_overlong_prompts:
+            continue  # the domain was built without its over-long rows (recipe.overlong_prompt_filter)
         # the domain's own rows (a shared file's other rows are its other domains'), read with its column map
         rows = [(i, e) for i, e in enumerate(domain_examples(spec.source, spec.params, spec.name,
                                                              shared=len(readers[spec.source]) > 1))
@@ -314,7 +316,8 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
         for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e for _, e in rows], chat=recipe.data.chat)):
             if len(ids) > limit:
                 raise DataError(f"{spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
-                                f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — {fix} or drop the row")
+                                f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — {fix}, drop the row, or "
+                                "set data.filter_overlong_prompts=true to drop every such row")
 
 
 # ---------------------------------------------------------------- output dir

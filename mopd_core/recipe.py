@@ -75,9 +75,38 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
                 raise
             check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
+    keep = overlong_prompt_filter(recipe) if recipe.data.filter_overlong_prompts else None
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
                                  verifier=d.verifier, verifier_args=d.verifier_args,
-                                 shared=len(readers.get(d.source, ())) > 1) for d in specs}
+                                 shared=len(readers.get(d.source, ())) > 1,
+                                 prompt_filter=None if keep is None else
+                                 (lambda exs, src, name=d.name: keep(exs, f"domain '{name}' ({src})")))
+            for d in specs}
+
+
+def run_tokenizer(recipe: RecipeConfig):
+    """The tokenizer every stage of the recipe uses (the base model's; teachers must share it): the tiny one as
+    `base_model` builds it, else `model.tokenizer` or `model.base` loaded (no download)."""
+    from .models import build_tiny_tokenizer, load_tokenizer
+
+    if recipe.model.base == "tiny":
+        return build_tiny_tokenizer(chat=recipe.model.tiny.chat)
+    return load_tokenizer(recipe.model.tokenizer or recipe.model.base)
+
+
+def overlong_prompt_filter(recipe: RecipeConfig):
+    """`(examples, source) -> kept`: drops the prompts over data.max_prompt_tokens as the rollout renders them
+    (`rollout.prompt_ids` with `data.chat`), logging the count (`domains.dataset.filter_long_prompts`)."""
+    from .domains.dataset import filter_long_prompts
+    from .rollout import prompt_ids
+
+    tok = run_tokenizer(recipe)
+
+    def keep(examples, source):
+        lengths = {id(e): len(ids) for e, ids in zip(examples, prompt_ids(tok, examples, chat=recipe.data.chat))}
+        return filter_long_prompts(examples, recipe.data.max_prompt_tokens, lambda e: lengths[id(e)],
+                                   source=source)[0]
+    return keep
 
 
 def model_ref_id(path: str | Path) -> str:
