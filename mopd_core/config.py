@@ -631,12 +631,24 @@ def stage_fingerprint(*parts: Any) -> str:
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} → {'a.b': 1}; used for logging params."""
+    """{'a': {'b': 1}} → {'a.b': 1}; used for logging params. A list of mappings with distinct `name`s (the
+    domains, their eval_sources) is keyed by name as the overrides address it — `data.domains.math.verifier_args.
+    mode` — so every verifier argument and benchmark setting is a param of its own (not one long string)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(flatten(v, key + "."))
+        elif _named_list(v):
+            for item in v:
+                out.update(flatten({kk: vv for kk, vv in item.items() if kk != "name"}, f"{key}.{item['name']}."))
         else:
             out[key] = v
     return out
+
+
+def _named_list(v: Any) -> bool:
+    if not isinstance(v, list) or not v or not all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                   for x in v):
+        return False
+    return len({x["name"] for x in v}) == len(v)

@@ -98,6 +98,15 @@ def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
     assert stage_fingerprint(a.mopd) != stage_fingerprint(b.mopd)
     assert stage_fingerprint(a.sft) == stage_fingerprint(b.sft)
     assert flatten({"x": {"y": 1, "z": {"w": 2}}}) == {"x.y": 1, "x.z.w": 2}
+    # domains and their benchmarks: keyed by name, every setting its own param (as overrides address them)
+    cfg = load_config("open_mopd_smollm3")
+    flat = flatten(cfg.model_dump(mode="json"))
+    assert flat["data.domains.math.verifier_args.mode"] == "boxed"
+    assert flat["data.domains.math.eval_sources.aime24.n"] == 32
+    assert flat["data.domains.if.eval_sources.ifeval.metrics"] == ["prompt_strict", "prompt_loose", "inst_strict",
+                                                                   "inst_loose"]
+    assert not any(k == "data.domains" for k in flat)
+    assert flatten({"l": [{"name": "a"}, {"name": "a"}]}) == {"l": [{"name": "a"}, {"name": "a"}]}  # not unique
 
 
 @pytest.mark.parametrize("overrides,needle", [
