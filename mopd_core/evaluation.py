@@ -222,7 +222,7 @@ def _run_benchmark(engine, b: Benchmark, max_new_tokens: int, batch_size: int, s
     return metrics, rows
 
 
-def _stop_ids(engine) -> list[int] | None:
+def stop_ids_of(engine) -> list[int] | None:
     get = getattr(engine, "stop_ids", None)
     return list(get()) if callable(get) else None
 
@@ -245,7 +245,7 @@ def evaluate(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, d
     n = eval_size or cfg.eval_size
     benches = {name: load_benchmarks(name, (sources or {}).get(name) or (), n) for name in domains}
     engine = engine if engine is not None else HFRollout(model, tokenizer, device, chat=chat)
-    stops = _stop_ids(engine)
+    stops = stop_ids_of(engine)
     out: dict[str, dict[str, float]] = {}
     rows: list[dict] = []
     gen = torch.Generator(device=device).manual_seed(seed + 7919)
@@ -266,18 +266,19 @@ def evaluate(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, d
         res = {}
         if cfg.greedy:
             b = engine.generate(exs, max_new_tokens=max_new_tokens, greedy=True, batch_size=cfg.batch_size)
-            rw = dom.rewards(exs, b.texts)
+            tr = truncated_flags(b, max_new_tokens, stops)
+            rw = dom.rewards(exs, b.texts, tr)
             res["greedy"] = sum(rw) / len(exs)
-            rows.extend(_heldout_rows(name, "heldout:greedy", exs, b, rw, truncated_flags(b, max_new_tokens, stops)))
+            rows.extend(_heldout_rows(name, "heldout:greedy", exs, b, rw, tr))
         if cfg.mean_at_k:
             k = cfg.mean_at_k
             rep = [e for e in exs for _ in range(k)]
             b = engine.generate(rep, max_new_tokens=max_new_tokens, temperature=cfg.temperature, generator=gen,
                                 batch_size=cfg.batch_size)
-            rw = dom.rewards(rep, b.texts)
+            tr = truncated_flags(b, max_new_tokens, stops)
+            rw = dom.rewards(rep, b.texts, tr)
             res[f"mean@{k}"] = sum(rw) / len(rep)
-            rows.extend(_heldout_rows(name, f"heldout:mean@{k}", rep, b, rw,
-                                      truncated_flags(b, max_new_tokens, stops), k))
+            rows.extend(_heldout_rows(name, f"heldout:mean@{k}", rep, b, rw, tr, k))
         out[name] = res
     return EvalResult(out, rows)
 

@@ -195,7 +195,10 @@ class Domain(ABC):
     def reward(self, example: Example, completion: str) -> float:
         """Reward of `completion` for `example`, in [0, 1]."""
 
-    def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+    def rewards(self, examples: Sequence[Example], completions: Sequence[str],
+                truncated: Sequence[bool] | None = None) -> list[float]:
+        """Rewards of a batch. `truncated` (per completion: hit the token budget without a stop id) reaches
+        verifiers that use it (`zero_if_truncated`); the synthetic domains' exact match ignores it."""
         if len(examples) != len(completions):
             raise ValueError(f"rewards: {len(examples)} examples but {len(completions)} completions; pass one "
                              "completion per example")

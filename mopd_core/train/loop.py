@@ -28,7 +28,7 @@ import torch
 from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
-from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model
+from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, stop_ids_of, truncated_flags
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
@@ -229,6 +229,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         history: list[dict] = []
         last_eval: dict = {}
         G = loop_cfg.group_size
+        stop_ids = stop_ids_of(engine)  # a completion that ends without one of them was cut off by the budget
         top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
 
         bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
@@ -254,7 +255,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
                                                             loop_cfg.micro_batch_size, amp)
                     trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
-                rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
+                trunc = truncated_flags(batch, max_new, stop_ids)
+                rewards = torch.tensor(_rewards(domains, batch, trunc), dtype=torch.float32, device=device)
                 mask = batch.completion_mask.float()
 
                 t0 = time.perf_counter()
@@ -416,13 +418,15 @@ def _sharded_writer(trainer: PolicyTrainer | None):
     return write
 
 
-def _rewards(domains, batch: RolloutBatch) -> list[float]:
+def _rewards(domains, batch: RolloutBatch, truncated: list[bool] | None = None) -> list[float]:
+    """Each row's reward from its domain; `truncated` flags reach the verifiers (zero_if_truncated)."""
     out = [0.0] * batch.size
     by_dom = defaultdict(list)
     for i, e in enumerate(batch.examples):
         by_dom[e.teacher_id].append(i)
     for d, rows in by_dom.items():
-        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows])
+        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows],
+                                None if truncated is None else [truncated[i] for i in rows])
         for i, r in zip(rows, rs):
             out[i] = float(r)
     return out
