@@ -255,8 +255,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
                                                             loop_cfg.micro_batch_size, amp)
                     trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
-                trunc = truncated_flags(batch, max_new, stop_ids)
-                rewards = torch.tensor(_rewards(domains, batch, trunc), dtype=torch.float32, device=device)
+                cut_off = truncated_flags(batch, max_new, stop_ids)
+                rewards = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
                 mask = batch.completion_mask.float()
 
                 t0 = time.perf_counter()
