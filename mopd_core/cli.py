@@ -4,7 +4,7 @@
     mopd stage sft    --config tiny [--base PATH]
     mopd stage expert --config tiny --domain math --init runs/tiny/sft/final
     mopd stage mopd   --config tiny --init runs/tiny/sft/final --teacher math=PATH --teacher code=PATH ...
-    mopd stage eval   --config tiny --model sft=PATH --model student=PATH
+    mopd stage eval   --config tiny --model sft=PATH --model student=PATH [--out DIR]
     mopd config show  --config tiny [--set ...]
     mopd data check   data/math.parquet [--schema verl] [--set prompt_field=question ...] [--name math]
 
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init", help="expert/mopd: the initial model (checkpoint dir)")
     s.add_argument("--teacher", action="append", default=[], metavar="ID=PATH", help="mopd: a teacher")
     s.add_argument("--model", action="append", default=[], metavar="LABEL=PATH", help="eval: a model")
+    s.add_argument("--out", default=None, metavar="DIR", help="eval: write accuracy.{md,json,png} and "
+                   "eval_rows.jsonl (every completion, its extracted answer and reward) there")
     c = sub.add_parser("config", help="show the resolved config")
     c.add_argument("action", choices=["show"])
     _common(c)
@@ -131,7 +133,7 @@ def _run(args) -> int:
     R.setup_runtime(cfg)
     if args.cmd == "recipe":
         res = R.run_recipe(cfg, progress=progress, restart=args.restart, baseline=args.baseline)
-        print("\nHeld-out greedy accuracy (%):\n" + res.table)
+        print("\nAccuracy (%; greedy held-out, or the domain's benchmarks):\n" + res.table)
         print("\nwall seconds: " + ", ".join(f"{k}={v:.0f}" for k, v in res.wall_s.items()))
         print(f"outputs: {cfg.run_dir()}")
         return 0
@@ -142,11 +144,11 @@ def _run(args) -> int:
     elif args.stage == "mopd":
         out = R.mopd_stage(cfg, args.init, teachers, progress)
     else:
-        from .evaluation import accuracy_table
-
-        acc = R.eval_stage(cfg, models)
-        print(accuracy_table(acc, "greedy", cfg.domain_names()))
-        print(json.dumps(acc))
+        rep = R.eval_stage(cfg, models, args.out)
+        print(rep.table)
+        if rep.files:
+            print(f"outputs: {', '.join(str(f) for f in rep.files.values())}")
+        print(json.dumps(rep.accuracy))
         return 0
     print(json.dumps({"stage": out.stage, "model_dir": str(out.model_dir), "eval": out.eval,
                       "wall_s": round(out.wall_s, 1)}))

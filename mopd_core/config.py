@@ -103,6 +103,74 @@ class ModelConfig(_Model):
     trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
 
 
+IFEVAL_METRICS = ("prompt_strict", "prompt_loose", "inst_strict", "inst_loose")
+
+
+class EvalSource(_Model):
+    """One benchmark of a domain (`data.domains[].eval_sources[]`): its own file, verifier and sampling settings,
+    as the published protocol evaluates (e.g. AIME24 mean@32 at T 0.6, top_p 0.95, top_k 20)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Benchmark name: table column and "
+                      "metric prefix (`<name>/mean@32`).")
+    source: str = Field(description="Dataset path (.jsonl / .json / .parquet / datasets dir), read with `params`.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Column map of the file, as "
+                                   "data.domains[].params (schema, prompt_field, answer_field, fields, "
+                                   "teacher_id_field, answer_join, split).")
+    verifier: str = Field("exact_match", description="Reward function (as data.domains[].verifier).")
+    verifier_args: dict[str, Any] = Field(default_factory=dict, description="Its keyword arguments.")
+    n: int = Field(1, ge=1, description="Samples per prompt.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy (then n must be 1).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus threshold.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    min_p: float = Field(0.0, ge=0, lt=1, description="Drop tokens below min_p × the top probability; 0 = off.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Completion budget; None = eval.max_new_tokens, "
+                                       "else rollout.max_new_tokens.")
+    metrics: list[str] = Field(default_factory=lambda: ["mean@n"], description="Reported metrics, the first is "
+                               "the headline (the domain's score = mean of its benchmarks' headlines): mean@n "
+                               "(or mean@<n>), pass@<k> (unbiased, k ≤ n), truncation_rate, and for verifier "
+                               "ifeval prompt_strict, prompt_loose, inst_strict, inst_loose.")
+
+    @model_validator(mode="after")
+    def _metrics(self) -> "EvalSource":
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(f"eval_sources '{self.name}': n={self.n} greedy samples are all the same; set "
+                             "temperature > 0 or n: 1")
+        if not self.metrics:
+            raise ValueError(f"eval_sources '{self.name}': metrics is empty; list at least one, e.g. [mean@n]")
+        for m in self.metrics:
+            kind, _, num = m.partition("@")
+            if m in IFEVAL_METRICS:
+                if self.verifier != "ifeval":
+                    raise ValueError(f"eval_sources '{self.name}': metric {m} needs verifier ifeval (got "
+                                     f"{self.verifier})")
+            elif m == "truncation_rate" or m == "mean@n":
+                pass
+            elif kind in ("mean", "pass") and num.isdigit() and int(num) >= 1:
+                if kind == "mean" and int(num) != self.n:
+                    raise ValueError(f"eval_sources '{self.name}': metric {m} but n={self.n}; write mean@n or "
+                                     f"mean@{self.n}")
+                if kind == "pass" and int(num) > self.n:
+                    raise ValueError(f"eval_sources '{self.name}': metric {m} needs n >= {num} samples (n="
+                                     f"{self.n}); raise n or lower k")
+            else:
+                raise ValueError(f"eval_sources '{self.name}': unknown metric {m!r}; use mean@n, pass@<k>, "
+                                 f"truncation_rate or {', '.join(IFEVAL_METRICS)}")
+        return self
+
+    def headline(self) -> str:
+        """The metric key of the benchmark's headline (mean@n spelled with its n)."""
+        return self.metric_keys()[0]
+
+    def metric_keys(self) -> list[str]:
+        """The metrics as they are reported (mean@n → mean@<n>), in order, without duplicates."""
+        out: list[str] = []
+        for m in self.metrics:
+            k = f"mean@{self.n}" if m == "mean@n" else m
+            if k not in out:
+                out.append(k)
+        return out
+
+
 class DomainSpec(_Model):
     name: str = Field(description="Domain name; also the teacher_id that routes its samples to a teacher.")
     source: str = Field(description="`synthetic:<kind>` (math, code, if) or a path to a jsonl / parquet / "
@@ -120,6 +188,19 @@ class DomainSpec(_Model):
     weight: float = Field(1.0, ge=0, description="Share of prompts drawn from this domain (normalised).")
     eval_size: int = Field(200, ge=1, description="Held-out eval prompts, disjoint from training prompts.")
     params: dict[str, Any] = Field(default_factory=dict, description="Domain-specific generator options.")
+    # empty: left out of the dump, so configs without it keep their stage fingerprints
+    eval_sources: list[EvalSource] = Field(
+        default_factory=list, exclude_if=lambda v: not v,
+        description="Benchmarks this domain is evaluated on, each with its own file, verifier, sampling and "
+        "metrics (`evaluation.evaluate`); empty = greedy (and eval.mean_at_k) on the domain's held-out split.")
+
+    @model_validator(mode="after")
+    def _unique_benchmarks(self) -> "DomainSpec":
+        names = [b.name for b in self.eval_sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"domain '{self.name}': eval_sources has duplicate names {names}; name each benchmark "
+                             "once")
+        return self
 
 
 class ChatConfig(_Model):
@@ -153,7 +234,14 @@ class ChatConfig(_Model):
 
 class DataConfig(_Model):
     domains: list[DomainSpec] = Field(description="The domains of the recipe; one expert/teacher each.")
-    max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this are an error.")
+    max_prompt_tokens: int = Field(32, ge=1, description="Prompts longer than this (as the rollout renders them, "
+                                   "chat template included) are a pre-flight error, or dropped with "
+                                   "filter_overlong_prompts.")
+    # left out of the dump while false: the default changes nothing, so fingerprints stay
+    filter_overlong_prompts: bool = Field(False, exclude_if=lambda v: not v, description="Drop the dataset rows "
+                                          "whose prompt is over max_prompt_tokens (counted and logged per domain, "
+                                          "as verl's data.filter_overlong_prompts) instead of failing the "
+                                          "pre-flight on the first; synthetic domains and benchmarks still fail.")
     # left out of the dump (and so of every fingerprint) while disabled: the settings change nothing then, and
     # configs without the section keep the identity they had before it existed
     chat: ChatConfig = Field(default_factory=ChatConfig, exclude_if=lambda c: not c.enabled,
@@ -196,7 +284,19 @@ class RolloutConfig(_Model):
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers forward "
                                            "with KV cache, any device) or `vllm` (in-process, GPU/NPU).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs use it too.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 = off). Truncation (top_p < 1, "
+                         "top_k > 0 or min_p > 0): the engines report the processed log-probs of the truncated, "
+                         "renormalised distribution sampled from (vLLM logprobs_mode=processed_logprobs); the "
+                         "expert/MOPD update recomputes the behaviour log-probs with the trainer's model (the "
+                         "untruncated log_softmax(logits / temperature), as verl's old_log_prob and TRL) before the "
+                         "PPO ratio and the reverse-KL advantage use them; rollout/trunc_logp_gap logs the "
+                         "difference per token (≥ 0).")
+    # top_k / min_p are left out of the dump while off, so configs without them keep their stage fingerprints
+    top_k: int = Field(0, ge=0, exclude_if=lambda v: v == 0, description="Sample among the k most likely tokens "
+                       "(0 = off); training rollouts too. Behaviour log-probs as for top_p.")
+    min_p: float = Field(0.0, ge=0, lt=1, exclude_if=lambda v: v == 0, description="Drop tokens with p < min_p · "
+                         "p_max (0 = off); applied before top_k and top_p (vLLM's order). Behaviour log-probs as "
+                         "for top_p.")
     max_new_tokens: int = Field(12, ge=1, description="Completion budget; unfinished samples are truncated.")
     batch_size: int | None = Field(None, ge=1, description="Sequences per generation call; None = all at once.")
     gpu_memory_utilization: float | None = Field(
@@ -207,6 +307,12 @@ class RolloutConfig(_Model):
     engine_process: Literal["inprocess", "separate"] = Field(
         "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
         "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling drops tokens (top_p < 1, top_k > 0 or min_p > 0): then the engines' behaviour log-probs
+        are the processed ones and the policy loop recomputes them with the trainer's model."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 class TeachersConfig(_Model):
@@ -323,6 +429,10 @@ class MOPDConfig(PolicyLoopConfig):
 
 
 class EvalConfig(_Model):
+    """Held-out evaluation of the domains without `eval_sources`; a domain with them is scored on its benchmarks
+    (their own sampling), with `max_new_tokens`, `eval_size` (a cap on each benchmark's rows) and `batch_size`
+    from here."""
+
     greedy: bool = Field(True, description="Greedy accuracy on the held-out prompts.")
     mean_at_k: int = Field(0, ge=0, description="Also sample k completions per prompt and report mean@k.")
     temperature: float = Field(1.0, gt=0, description="Temperature of the mean@k samples.")
@@ -521,12 +631,24 @@ def stage_fingerprint(*parts: Any) -> str:
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} → {'a.b': 1}; used for logging params."""
+    """{'a': {'b': 1}} → {'a.b': 1}; used for logging params. A list of mappings with distinct `name`s (the
+    domains, their eval_sources) is keyed by name as the overrides address it — `data.domains.math.verifier_args.
+    mode` — so every verifier argument and benchmark setting is a param of its own (not one long string)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(flatten(v, key + "."))
+        elif _named_list(v):
+            for item in v:
+                out.update(flatten({kk: vv for kk, vv in item.items() if kk != "name"}, f"{key}.{item['name']}."))
         else:
             out[key] = v
     return out
+
+
+def _named_list(v: Any) -> bool:
+    if not isinstance(v, list) or not v or not all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                   for x in v):
+        return False
+    return len({x["name"] for x in v}) == len(v)

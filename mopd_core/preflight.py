@@ -83,6 +83,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
             _check_context(recipe, m, eval=True)
         if evals:
             _check_prompts(recipe, _tokenizer(evals[0]), domains)
+            _check_benchmarks(recipe, _tokenizer(evals[0]), evals)
         return  # evaluation writes nothing
     base = student is None and stage in ("recipe", "sft")
     stu = _base(recipe) if base else _inspect(recipe, "--init" if stage != "sft" else "--base", student)
@@ -100,6 +101,8 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
     if policy and stage != "recipe" and stu.num_params:
         _check_memory(recipe, stage, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
+    if stage == "recipe":  # a bad benchmark file fails now, not after hours of training
+        _check_benchmarks(recipe, _tokenizer(stu), [stu])
     stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
     _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
 
@@ -166,7 +169,7 @@ def _base(recipe: RecipeConfig) -> _Model:
 
     from .models import build_tiny_model, build_tiny_tokenizer
 
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(chat=recipe.model.tiny.chat)  # the tokenizer base_model will build
     with torch.device("meta"):  # shapes only: no memory, no init
         n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
                                                     tok.eos_token_id).parameters())
@@ -256,6 +259,32 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
 # ---------------------------------------------------------------- data
 
 
+def _check_benchmarks(recipe: RecipeConfig, tokenizer, models: list[_Model]) -> None:
+    """Every `eval_sources` benchmark: its file, verifier and rows (`evaluation.load_benchmarks`), each prompt
+    within data.max_prompt_tokens as the rollout renders it, and prompt + its token budget + 1 within each
+    model's positions."""
+    from .domains.base import prompt_text
+    from .evaluation import eval_sources_of, load_benchmarks
+    from .rollout import prompt_ids
+
+    limit = recipe.data.max_prompt_tokens
+    new = recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens
+    for domain, sources in eval_sources_of(recipe).items():
+        for b in load_benchmarks(domain, sources, recipe.eval.eval_size):
+            where = f"data.domains[{domain}].eval_sources[{b.spec.name}]"
+            budget = b.spec.max_new_tokens or new
+            for m in models:
+                if m.context is not None and limit + budget + 1 > m.context:
+                    raise ConfigError(f"{where}: data.max_prompt_tokens={limit} + max_new_tokens={budget} + 1 "
+                                      f"exceeds the {m.context} positions of {m.label} — lower the benchmark's "
+                                      "max_new_tokens or data.max_prompt_tokens")
+            for i, (e, ids) in enumerate(zip(b.examples, prompt_ids(tokenizer, b.examples, chat=recipe.data.chat))):
+                if len(ids) > limit:
+                    raise DataError(f"{where}: {b.spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
+                                    f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — raise "
+                                    "data.max_prompt_tokens or drop the row")
+
+
 def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) -> None:
     """Every prompt fits data.max_prompt_tokens with the run's tokenizer (the rollout's own rule)."""
     from .domains.base import prompt_text
@@ -277,6 +306,8 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
                                     f"{prompt_text(e)[:40]!r} has {len(ids)} tokens, over "
                                     f"data.max_prompt_tokens={limit} — {fix} or shorten the task (params)")
             continue
+        if recipe.data.filter_overlong_prompts:
+            continue  # the domain was built without its over-long rows (recipe.overlong_prompt_filter)
         # the domain's own rows (a shared file's other rows are its other domains'), read with its column map
         rows = [(i, e) for i, e in enumerate(domain_examples(spec.source, spec.params, spec.name,
                                                              shared=len(readers[spec.source]) > 1))
@@ -285,7 +316,8 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
         for (i, e), ids in zip(rows, prompt_ids(tokenizer, [e for _, e in rows], chat=recipe.data.chat)):
             if len(ids) > limit:
                 raise DataError(f"{spec.source} row {i}: prompt of {len(ids)} tokens exceeds "
-                                f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — {fix} or drop the row")
+                                f"data.max_prompt_tokens={limit} ({prompt_text(e)[:40]!r}…) — {fix}, drop the row, or "
+                                "set data.filter_overlong_prompts=true to drop every such row")
 
 
 # ---------------------------------------------------------------- output dir

@@ -75,9 +75,38 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
                 raise
             check_teacher_ids(rows, known, source=d.source)
     specs = [d for d in recipe.data.domains if names is None or d.name in names]
+    keep = overlong_prompt_filter(recipe) if recipe.data.filter_overlong_prompts else None
     return {d.name: build_domain(d.name, d.source, d.params, eval_size=d.eval_size, seed=recipe.seed,
                                  verifier=d.verifier, verifier_args=d.verifier_args,
-                                 shared=len(readers.get(d.source, ())) > 1) for d in specs}
+                                 shared=len(readers.get(d.source, ())) > 1,
+                                 prompt_filter=None if keep is None else
+                                 (lambda exs, src, name=d.name: keep(exs, f"domain '{name}' ({src})")))
+            for d in specs}
+
+
+def run_tokenizer(recipe: RecipeConfig):
+    """The tokenizer every stage of the recipe uses (the base model's; teachers must share it): the tiny one as
+    `base_model` builds it, else `model.tokenizer` or `model.base` loaded (no download)."""
+    from .models import build_tiny_tokenizer, load_tokenizer
+
+    if recipe.model.base == "tiny":
+        return build_tiny_tokenizer(chat=recipe.model.tiny.chat)
+    return load_tokenizer(recipe.model.tokenizer or recipe.model.base)
+
+
+def overlong_prompt_filter(recipe: RecipeConfig):
+    """`(examples, source) -> kept`: drops the prompts over data.max_prompt_tokens as the rollout renders them
+    (`rollout.prompt_ids` with `data.chat`), logging the count (`domains.dataset.filter_long_prompts`)."""
+    from .domains.dataset import filter_long_prompts
+    from .rollout import prompt_ids
+
+    tok = run_tokenizer(recipe)
+
+    def keep(examples, source):
+        lengths = {id(e): len(ids) for e, ids in zip(examples, prompt_ids(tok, examples, chat=recipe.data.chat))}
+        return filter_long_prompts(examples, recipe.data.max_prompt_tokens, lambda e: lengths[id(e)],
+                                   source=source)[0]
+    return keep
 
 
 def model_ref_id(path: str | Path) -> str:
@@ -132,13 +161,20 @@ def precision_fingerprint_part(recipe: RecipeConfig) -> dict:
     return {} if recipe.runtime.dtype == "float32" else {"master_weights": devlib.TRAIN_MASTER_DTYPE}
 
 
+def behaviour_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
+    """With truncated sampling the policy loop recomputes the behaviour log-probs with the trainer's model (before,
+    a top_p < 1 stage trained on the engine's processed ones): marked in the expert/mopd fingerprints then, and
+    only then, so untruncated stages keep their identity and truncated ones are retrained, not reused."""
+    return [{"behaviour_logp": "trainer_recomputed"}] if recipe.rollout.truncates else []
+
+
 def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
-                             train_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
 
 
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
@@ -148,7 +184,7 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
                              init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
-                             train_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:
@@ -327,18 +363,30 @@ def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool =
     return mopd_stage(base, init, {}, progress=progress, stage_name="grpo-baseline")
 
 
-def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path]) -> dict[str, dict[str, dict[str, float]]]:
+def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path], out_dir: str | Path | None = None,
+               extra: dict | None = None):
+    """Evaluate every model ({label: checkpoint}) on each domain's benchmarks (`eval_sources`) or held-out split;
+    an `evaluation.EvalReport`. With `out_dir`: its files written there (`EvalReport.write`; `extra` goes into
+    accuracy.json). Every benchmark file is read and checked before the first model loads."""
+    from .evaluation import eval_report, eval_sources_of
     from .train.loop import evaluate_checkpoint
 
     domains = build_domains(recipe)
     preflight.check_stage(recipe, "eval", models=models, domains=domains)
-    return {label: evaluate_checkpoint(path, recipe, domains) for label, path in models.items()}
+    acc, rows = {}, []
+    for label, path in models.items():
+        res = evaluate_checkpoint(path, recipe, domains)
+        acc[label] = res.scores
+        rows.extend({"model": label, **r} for r in res.rows)
+    rep = eval_report(acc, rows, recipe.domain_names(), eval_sources_of(recipe))
+    if out_dir is not None:
+        rep.write(out_dir, extra)
+    return rep
 
 
 def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = False,
                baseline: bool = False) -> RecipeResult:
     """sft → one expert per domain → mopd (student from sft, teachers = experts) → evaluate."""
-    from .evaluation import accuracy_table, plot_accuracy
 
     setup_runtime(recipe)
     run_dir = recipe.run_dir()
@@ -362,14 +410,10 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
         outputs["grpo-baseline"] = grpo_baseline_stage(recipe, outputs["sft"].model_dir, progress)
     te = time.perf_counter()
     models = {"base": base, **{k: v.model_dir for k, v in outputs.items()}}
-    acc = eval_stage(recipe, models)
+    rep = eval_stage(recipe, models)
     wall = {k: v.wall_s for k, v in outputs.items()}
     wall["eval"] = time.perf_counter() - te
     wall["total"] = time.perf_counter() - t0
-    table = accuracy_table(acc, "greedy", recipe.domain_names())
-    (run_dir / "accuracy.md").write_text(table + "\n")
-    plot_accuracy(acc, run_dir / "accuracy.png")
-    import json
-
-    (run_dir / "accuracy.json").write_text(json.dumps({"accuracy": acc, "wall_s": wall}, indent=2))
+    rep.write(run_dir, extra={"wall_s": wall})
+    acc, table = rep.accuracy, rep.table
     return RecipeResult(outputs, acc, table, wall)

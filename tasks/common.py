@@ -249,6 +249,37 @@ def eval_table(ev: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
+EVAL_ROWS_SHOWN = 200  # per-row results in the Prefect table; all of them are in MLflow's eval_rows.jsonl
+
+
+def publish_eval_tables(cfg, rep) -> None:
+    """The eval stage's benchmark results as Prefect tables: one row per model × benchmark (every metric, %),
+    and the first per-completion results of the benchmarks (prompt, completion, extracted answer, reward)."""
+    from prefect.artifacts import create_table_artifact
+
+    if not rep.benchmarks:
+        return
+    create_table_artifact(table=rep.benchmarks, key=artifact_key(cfg.name, "benchmarks"),
+                          description="eval_sources benchmarks, every metric (%)")
+    rows = [r for r in rep.rows if not str(r.get("benchmark", "")).startswith("heldout:")]
+    shown = [{"model": r["model"], "benchmark": r["benchmark"], "row": r["row"], "sample": r["sample"],
+              "prompt": _short(r["prompt"]), "completion": _short(r["completion"]),
+              "extracted": _short(r.get("extracted")), "reward": r["reward"], "truncated": r["truncated"]}
+             for r in rows[:EVAL_ROWS_SHOWN]]
+    create_table_artifact(table=shown, key=artifact_key(cfg.name, "eval-rows"),
+                          description=f"per-completion results ({len(shown)} of {len(rows)}; all in the MLflow "
+                          "evaluate run's eval_rows.jsonl)")
+
+
+def _short(v, n: int = 160) -> str:
+    if v is None:
+        return ""
+    if not isinstance(v, str):  # chat messages: the last user turn
+        v = next((m.get("content", "") for m in reversed(v) if isinstance(m, dict) and m.get("role") == "user"),
+                 str(v))
+    return v if len(v) <= n else v[:n - 1] + "…"
+
+
 def publish_stage(stage: str, recipe_name: str, summary_md: str, run_link: str | None) -> None:
     from prefect.artifacts import create_link_artifact, create_markdown_artifact
 

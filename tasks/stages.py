@@ -5,7 +5,6 @@ with lineage tags) and Prefect artifacts (summary + MLflow link)."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from . import tracking
-from .common import (STAGE_SECTIONS, discard_stage, eval_table, identity, local_path,
+from .common import (STAGE_SECTIONS, discard_stage, eval_table, identity, local_path, publish_eval_tables,
                      metrics_summary, publish_stage, refs_cache_dir, sidecar_path, stage_key,
                      tracked_result, write_sidecar)
 from .context import RETRY, prefect_tags
@@ -202,7 +201,6 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
 def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False) -> dict:
     """Held-out accuracy of every model given ({label: ref}); writes accuracy.{md,json,png} of the run."""
     from mopd_core import recipe as R
-    from mopd_core.evaluation import accuracy_table, plot_accuracy
 
     logger = get_run_logger()
     key = stage_key(stage, cfg, identity(stage, cfg, inputs))
@@ -220,20 +218,17 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
                                                           {k: v["ref"] for k, v in inputs.items()}))
         local = {k: local_path(v, refs_cache_dir(cfg)) for k, v in inputs.items()}
         t0 = time.perf_counter()
-        acc = R.eval_stage(cfg, local)
+        rep = R.eval_stage(cfg, local)
         wall = time.perf_counter() - t0
-        table = accuracy_table(acc, "greedy", cfg.domain_names())
+        acc, table = rep.accuracy, rep.table
         out = cfg.run_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "accuracy.md").write_text(table + "\n")
-        (out / "accuracy.json").write_text(json.dumps({"accuracy": acc, "models": {k: v["ref"] for k, v in
-                                                                                   inputs.items()}}, indent=2))
-        plot_accuracy(acc, out / "accuracy.png")
+        files = rep.write(out, extra={"models": {k: v["ref"] for k, v in inputs.items()}})
         tracking.log_metric_rows(run_id, [{"step": 0, "wall_s": wall, **{
             f"accuracy/{label}/{d}/{m}": v for label, r in acc.items() for d, dm in r.items()
             for m, v in dm.items()}}])
-        for f in ("accuracy.md", "accuracy.json", "accuracy.png"):
-            tracking.log_artifact(run_id, out / f)
+        for f in files.values():  # eval_rows.jsonl: every completion with its extracted answer and reward
+            tracking.log_artifact(run_id, f)
+        publish_eval_tables(cfg, rep)
         tracking.end_run(run_id)
     except BaseException:
         tracking.end_run(run_id, "FAILED")

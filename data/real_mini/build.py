@@ -2,15 +2,19 @@
 text) in the hub schemas, and `golden.jsonl`: completions with the reward the real verifiers must give them.
 
     python data/real_mini/build.py      # rewrites math.jsonl, code_lcb.jsonl, code_leetcode.jsonl, ifeval.jsonl,
-                                        # golden.jsonl next to this file (deterministic: same bytes every time)
+                                        # ifeval_no_punkt.jsonl (its rows that need no NLTK data), golden.jsonl
+                                        # next to this file (deterministic: same bytes every time)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+from mopd_core.domains.ifeval_verifier import NEEDS_PUNKT  # noqa: E402 - one list of the punkt instructions
 ESCAPE_DIR = "/tmp"  # where the file-writing escapes try to write; tests check nothing appeared there
 
 
@@ -471,7 +475,7 @@ ARGS = {S: {}, L: {"mode": "loose"}, F: {"score": "fraction"}}
 
 def build() -> dict[str, list[dict]]:
     files: dict[str, list[dict]] = {"math.jsonl": [], "code_lcb.jsonl": [], "code_leetcode.jsonl": [],
-                                    "ifeval.jsonl": [], "golden.jsonl": []}
+                                    "ifeval.jsonl": [], "ifeval_no_punkt.jsonl": [], "golden.jsonl": []}
     golden = files["golden.jsonl"]
     for i, (q, gt, args, comps) in enumerate(MATH):
         files["math.jsonl"].append({"data_source": "real-mini/math", "prompt": [{"role": "user", "content": q}],
@@ -515,6 +519,8 @@ def build() -> dict[str, list[dict]]:
 
     for key, prompt, ids, kwargs, comps in IFEVAL:
         files["ifeval.jsonl"].append({"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs})
+        if not set(ids) & set(NEEDS_PUNKT):  # the rows a host without NLTK's punkt_tab data can score
+            files["ifeval_no_punkt.jsonl"].append(files["ifeval.jsonl"][-1])
         for variant in (S, L, F):
             sel = [{"name": n, "text": t, "reward": rs[variant]} for n, t, rs in comps if variant in rs]
             if sel:

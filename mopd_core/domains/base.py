@@ -195,7 +195,10 @@ class Domain(ABC):
     def reward(self, example: Example, completion: str) -> float:
         """Reward of `completion` for `example`, in [0, 1]."""
 
-    def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+    def rewards(self, examples: Sequence[Example], completions: Sequence[str],
+                truncated: Sequence[bool] | None = None) -> list[float]:
+        """Rewards of a batch. `truncated` (per completion: hit the token budget without a stop id) reaches
+        verifiers that use it (`zero_if_truncated`); the synthetic domains' exact match ignores it."""
         if len(examples) != len(completions):
             raise ValueError(f"rewards: {len(examples)} examples but {len(completions)} completions; pass one "
                              "completion per example")
@@ -250,7 +253,8 @@ SYNTHETIC_PREFIX = "synthetic:"
 
 def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None, eval_size: int = 200,
                  seed: int = 0, verifier: str | None = None,
-                 verifier_args: Mapping[str, Any] | None = None, shared: bool = False) -> Domain:
+                 verifier_args: Mapping[str, Any] | None = None, shared: bool = False,
+                 prompt_filter: Callable[[list[Example], str], list[Example]] | None = None) -> Domain:
     """Build the domain `name` from `source`.
 
     source "synthetic:<kind>": a registered synthetic domain (its own exact-match reward; `params` go to its
@@ -265,6 +269,8 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
     verifier_args: keyword arguments of the verifier's constructor (e.g. {"mode": "aime"} for math_verify); an
                    unknown one is an error naming the domain, the argument and the accepted ones.
     shared: other domains read the same file, so its rows must name their teacher_id (`dataset.domain_examples`).
+    prompt_filter: dataset sources only — `(rows of this domain, source) -> rows kept`, applied before the
+                   eval/train split (the recipe's `data.filter_overlong_prompts`).
     """
     if not isinstance(name, str) or not name:
         raise DomainError(f"domain name must be a non-empty string (got {name!r}); set data.domains[].name")
@@ -306,6 +312,8 @@ def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None
     except DomainError as e:
         raise DomainError(f"domain '{name}': {e}") from None
     examples = domain_examples(source, params, name, shared=shared)
+    if prompt_filter is not None:
+        examples = prompt_filter([e for e in examples if e.teacher_id == name], source)
     kwargs = {}
     if "max_eval_fraction" in params:
         kwargs["max_eval_fraction"] = params["max_eval_fraction"]

@@ -285,11 +285,16 @@ class DatasetDomain(Domain):
     def reward(self, example: Example, completion: str) -> float:
         return float(self.verifier(example, completion))
 
-    def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+    def rewards(self, examples: Sequence[Example], completions: Sequence[str],
+                truncated: Sequence[bool] | None = None) -> list[float]:
         if len(examples) != len(completions):
             raise ValueError(f"rewards: {len(examples)} examples but {len(completions)} completions; pass one "
                              "completion per example")
-        return [float(r) for r in self.verifier.batch(list(examples), list(completions))]
+        if truncated is None:
+            return [float(r) for r in self.verifier.batch(list(examples), list(completions))]
+        # with the truncation flags (verifier_args zero_if_truncated: a cut-off completion earns 0)
+        return [float(v.reward) for v in self.verifier.score_batch(list(examples), list(completions),
+                                                                   list(truncated))]
 
     def __repr__(self) -> str:
         return (f"DatasetDomain(name={self.name!r}, source={self.source!r}, verifier={self.verifier.name!r}, "

@@ -239,14 +239,39 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 
+def sampling_mask(logits: torch.Tensor, *, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Which tokens sampling may pick (bool, the shape of `logits`, already divided by the temperature), in vLLM's
+    order: min_p (drop p < min_p · p_max), then top_k (the k largest; ties at the k-th kept), then top_p (the
+    smallest prefix, by descending probability of what is left, renormalised, with mass ≥ top_p). The most
+    likely token is always kept. Defaults keep every token."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).values[..., -1:]
+        keep &= logits >= kth
+    if top_p < 1.0:
+        probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        keep &= _top_p_filter(probs, top_p) > 0
+    return keep
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_id: int | Sequence[int], pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-           greedy: bool = False, generator: torch.Generator | None = None):
-    """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs
-    `[B,T]` (log-softmax of logits/temperature, the untruncated distribution, as vLLM reports them). A row stops
-    after any of the stop ids `eos_id` (one id or several: EOS and the chat template's end-of-turn token), which
-    stays inside its mask."""
+           top_k: int = 0, min_p: float = 0.0, greedy: bool = False, generator: torch.Generator | None = None):
+    """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs `[B,T]`.
+    A row stops after any of the stop ids `eos_id` (one id or several: EOS and the chat template's end-of-turn
+    token), which stays inside its mask.
+
+    Behaviour log-probs are those of the distribution each token was drawn from — vLLM's
+    `logprobs_mode="processed_logprobs"`, which `VllmRollout` uses: `log_softmax(logits / temperature)` restricted
+    to the tokens `sampling_mask` keeps (min_p, top_k, top_p) and renormalised. Without truncation (top_p = 1,
+    top_k = 0, min_p = 0, the defaults) that is the plain tempered log-softmax, the trainer's
+    `completion_logprobs`; with it, it exceeds the trainer's by log(mass kept) ≥ 0 (the policy loop then
+    recomputes them with the trainer: `train.loop.recompute_behaviour_logp`). `greedy`: the tempered log-softmax
+    of the argmax token (truncation never changes the argmax)."""
     B = prompt_ids.shape[0]
     dev = prompt_ids.device
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
@@ -261,11 +286,12 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         logp = torch.log_softmax(lg, dim=-1)
         if greedy:
             tok = lg.argmax(-1)
+        elif top_p < 1.0 or top_k > 0 or min_p > 0.0:
+            logp = torch.log_softmax(lg.masked_fill(~sampling_mask(lg, top_p=top_p, top_k=top_k, min_p=min_p),
+                                                    float("-inf")), dim=-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         else:
-            probs = logp.exp()
-            if top_p < 1.0:
-                probs = _top_p_filter(probs, top_p)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         lp = logp.gather(-1, tok[:, None]).squeeze(-1)
         live = ~finished
         toks.append(torch.where(live, tok, torch.full_like(tok, pad_id)))
@@ -287,7 +313,8 @@ class RolloutEngine:
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None) -> RolloutBatch:
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
+        """Sample one completion per example (`sample`'s truncation: top_k 0 and min_p 0 are off)."""
         raise NotImplementedError
 
     def sync_weights(self, model=None) -> dict:
@@ -321,7 +348,7 @@ class HFRollout(RolloutEngine):
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None) -> RolloutBatch:
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
         was_training = self.model.training
         self.model.eval()
         parts = []
@@ -334,8 +361,8 @@ class HFRollout(RolloutEngine):
                                            formatter=self.formatter)
                 c_ids, c_mask, c_lp = sample(
                     self.model, ids, mask, max_new_tokens=max_new_tokens, eos_id=stops,
-                    pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, greedy=greedy,
-                    generator=generator)
+                    pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k,
+                    min_p=min_p, greedy=greedy, generator=generator)
                 texts = self.tokenizer.batch_decode(
                     [row[m.bool()].tolist() for row, m in zip(c_ids.cpu(), c_mask.cpu())],
                     skip_special_tokens=True)

@@ -2,7 +2,8 @@
 
 Every engine offers
 
-    generate(examples, *, max_new_tokens, temperature, top_p, greedy, generator, batch_size) -> RolloutBatch
+    generate(examples, *, max_new_tokens, temperature, top_p, greedy, generator, batch_size, top_k, min_p)
+        -> RolloutBatch
     sync_weights(model) -> dict     # hand the trainer's current weights to the engine; a transfer report
     sleep() / wake()                # give the device memory back between rollouts / take it again
 
@@ -20,10 +21,14 @@ template's end-of-turn token.
 **vLLM specifics** (read with TRL `trl/generation/vllm_generation.py` colocate mode and verl's
 `vllm_rollout_spmd`, which do the same):
 - Behaviour log-probs are vLLM's per-token logprob of the sampled token (`SamplingParams(logprobs=0)`) with
-  `logprobs_mode="processed_logprobs"`: after temperature scaling — the same `log_softmax(logits / T)` as
-  `HFRollout`/`completion_logprobs` when `top_p = 1`. With `top_p < 1` vLLM reports the log-prob under the
-  truncated, renormalised distribution it sampled from, while `hf` reports the untruncated one (the two differ
-  by `log(mass kept)`, ≥ 0). With `greedy` vLLM reports the untempered log-softmax.
+  `logprobs_mode="processed_logprobs"`: those of the distribution the token was drawn from — after temperature
+  scaling, min_p, top_k and top_p, renormalised. `HFRollout` reports the same (`rollout.sample`, which truncates
+  in vLLM's order); without truncation both equal `completion_logprobs`' `log_softmax(logits / T)`, with it they
+  exceed it by `log(mass kept)` ≥ 0. With `greedy` vLLM reports the untempered log-softmax.
+  Who sees which: eval only samples; the policy loop (expert/MOPD) passes the engine's log-probs to the PPO ratio
+  and the reverse-KL advantage as they are when sampling does not truncate, and otherwise replaces them with the
+  trainer's recomputed `completion_logprobs` (`train.loop.recompute_behaviour_logp`, as verl's `old_log_prob` and
+  TRL's GRPO do), logging the difference as `rollout/trunc_logp_gap`.
 - **RNG**: `hf` draws every token from the one `generator` (so a sample depends on its batch neighbours);
   `vllm` draws one seed per request from `generator` (`SamplingParams(seed=…)`, in example order) and vLLM
   samples each request from its own seeded stream. Each backend is reproducible for a given generator state and
@@ -217,12 +222,18 @@ def _engine_load(worker, transport: str, message: Any, method: str = "auto", fin
 
 
 def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float, greedy: bool, seed: int,
-                    stop_ids: Sequence[int]) -> dict:
+                    stop_ids: Sequence[int], top_k: int = 0, min_p: float = 0.0) -> dict:
     """The `vllm.SamplingParams` of one request: one sample, behaviour log-prob of the sampled token, every stop
-    id (vLLM keeps the stop token in the output, like `HFRollout`'s mask), no detokenisation."""
-    return dict(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, stop_token_ids=list(stop_ids),
-                detokenize=False)
+    id (vLLM keeps the stop token in the output, like `HFRollout`'s mask), no detokenisation. top_k / min_p are
+    passed only when set (vLLM's "off" value of top_k changed from -1 to 0 across versions)."""
+    kw = dict(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+              top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, stop_token_ids=list(stop_ids),
+              detokenize=False)
+    if top_k > 0 and not greedy:
+        kw["top_k"] = int(top_k)
+    if min_p > 0.0 and not greedy:
+        kw["min_p"] = float(min_p)
+    return kw
 
 
 def _request_seeds(n: int, generator: torch.Generator | None) -> list[int]:
@@ -392,7 +403,7 @@ class VllmRollout(RolloutEngine):
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None) -> RolloutBatch:
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
         del batch_size  # vLLM batches by itself (see the module docstring)
         self.wake()
         if self._weights_stale:
@@ -406,7 +417,7 @@ class VllmRollout(RolloutEngine):
         stops = self.stop_ids()
         params = [self._SamplingParams(**sampling_kwargs(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=int(s),
-            stop_ids=stops)) for s in seeds]
+            stop_ids=stops, top_k=top_k, min_p=min_p)) for s in seeds]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rows = [o.outputs[0] for o in outs]
         B = len(rows)

@@ -10,6 +10,8 @@ so a resumed run replays exactly the steps an uninterrupted one would have taken
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -26,7 +28,7 @@ import torch
 from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
-from ..evaluation import evaluate_model
+from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, stop_ids_of, truncated_flags
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
@@ -227,6 +229,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         history: list[dict] = []
         last_eval: dict = {}
         G = loop_cfg.group_size
+        stop_ids = stop_ids_of(engine)  # a completion that ends without one of them was cut off by the budget
         top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
 
         bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
@@ -240,12 +243,20 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 phases.begin_step(step + 1)
 
                 t0 = time.perf_counter()
+                ro = recipe.rollout
                 with phases.rollout(), amp():  # behaviour log-probs in the compute dtype of the update
-                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=recipe.rollout.temperature,
-                                            top_p=recipe.rollout.top_p, generator=gen,
-                                            batch_size=recipe.rollout.batch_size)
+                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=ro.temperature,
+                                            top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
+                                            batch_size=ro.batch_size)
                 t_roll = time.perf_counter() - t0
-                rewards = torch.tensor(_rewards(domains, batch), dtype=torch.float32, device=device)
+                trunc: dict[str, float] = {}
+                if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
+                    t0 = time.perf_counter()
+                    batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
+                                                            loop_cfg.micro_batch_size, amp)
+                    trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
+                cut_off = truncated_flags(batch, max_new, stop_ids)
+                rewards = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
                 mask = batch.completion_mask.float()
 
                 t0 = time.perf_counter()
@@ -302,6 +313,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
                                                             else 1) / max(t_score, 1e-9)
                 m.update(upd)
+                m.update(trunc)
                 dt = time.perf_counter() - t_step
                 seq_tok = n_tok + int(batch.prompt_mask.sum())
                 m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
@@ -362,6 +374,32 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             trainer.close()
 
 
+def recompute_behaviour_logp(model, batch: RolloutBatch, temperature: float, impl: str = "chunked",
+                             micro_batch_size: int | None = None, amp=contextlib.nullcontext
+                             ) -> tuple[RolloutBatch, dict[str, float]]:
+    """`batch` with its behaviour log-probs replaced by the trainer's `completion_logprobs` (no gradient, in `amp`),
+    and `rollout/trunc_logp_gap`: the mean over completion tokens of (engine's − recomputed), ≥ 0.
+
+    With truncated sampling (rollout.top_p < 1, top_k > 0 or min_p > 0) the engines report processed log-probs
+    (the renormalised truncated distribution, vLLM's processed_logprobs), which exceed the trainer's untruncated
+    log_softmax(logits / T) by log(mass kept): used as π_old they make the first PPO ratio exp(−gap) instead of 1
+    and shift the reverse-KL advantage by the gap. verl recomputes old_log_prob with the actor (the rollout's
+    log-probs serve only its importance-sampling correction) and TRL's GRPO takes the old log-probs from the model,
+    so the ratio and the advantage compare the trainer's distribution with itself. With a `PolicyTrainer` the
+    driver's `model` holds the workers' weights of this step (reloaded after each update), so it scores for them.
+    """
+    from .. import rollout as rollout_mod  # looked up at call time (tests count the forwards)
+
+    with torch.no_grad(), amp():
+        logp = rollout_mod.completion_logprobs(model, batch, temperature, impl=impl,
+                                               micro_batch_size=micro_batch_size)
+    cm = batch.completion_mask.bool()
+    logp = torch.where(cm, logp, torch.zeros_like(logp)).to(batch.behaviour_logp.dtype)  # 0 where masked
+    n = int(cm.sum())
+    gap = float((batch.behaviour_logp.double() - logp.double())[cm].sum()) / n if n else 0.0
+    return dataclasses.replace(batch, behaviour_logp=logp), {"rollout/trunc_logp_gap": gap}
+
+
 def enable_gradient_checkpointing(model) -> None:
     """transformers' activation checkpointing per decoder layer, non-reentrant (torch's recommended mode: works
     with FSDP2, with inputs that need no grad and under autocast). The rollout engines sample in eval mode, where
@@ -380,13 +418,15 @@ def _sharded_writer(trainer: PolicyTrainer | None):
     return write
 
 
-def _rewards(domains, batch: RolloutBatch) -> list[float]:
+def _rewards(domains, batch: RolloutBatch, truncated: list[bool] | None = None) -> list[float]:
+    """Each row's reward from its domain; `truncated` flags reach the verifiers (zero_if_truncated)."""
     out = [0.0] * batch.size
     by_dom = defaultdict(list)
     for i, e in enumerate(batch.examples):
         by_dom[e.teacher_id].append(i)
     for d, rows in by_dom.items():
-        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows])
+        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows],
+                                None if truncated is None else [truncated[i] for i in rows])
         for i, r in zip(rows, rs):
             out[i] = float(r)
     return out
@@ -508,10 +548,24 @@ def _truncate_metrics(path: Path, upto_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> dict:
+def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> EvalResult:
+    """Scores and per-row results of one checkpoint (`evaluation.evaluate`): each domain's `eval_sources`
+    benchmarks, else its held-out split. Generation goes through `rollout.backend` (vLLM on GPU, sized for the
+    longest benchmark budget), rendered and stopped as `data.chat` says."""
     dinfo = devlib.resolve(recipe.runtime.device)
     model = load_model(path, dinfo.torch_device, recipe.runtime.dtype).eval()
     tok = load_tokenizer(path)
     cfg = eval_cfg or recipe.eval
-    return evaluate_model(model, tok, domains, cfg, dinfo.torch_device,
-                          cfg.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed, chat=recipe.data.chat)
+    new = cfg.max_new_tokens or recipe.rollout.max_new_tokens
+    sources = eval_sources_of(recipe)
+    engine = None
+    if recipe.rollout.backend != "hf":
+        budget = max([new] + [s.max_new_tokens or new for specs in sources.values() for s in specs])
+        engine = build_rollout(recipe, model, tok, dinfo.torch_device,
+                               max_model_len=recipe.data.max_prompt_tokens + budget)
+    try:
+        return evaluate(model, tok, domains, cfg, dinfo.torch_device, new, recipe.seed, chat=recipe.data.chat,
+                        sources=sources, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()

@@ -29,6 +29,18 @@ def test_open_mopd_preset_is_the_published_recipe():
     assert [d.weight for d in cfg.data.domains] == [0.4, 0.4, 0.2]
     assert cfg.mopd.kd_loss == "sampled_rkl" and cfg.mopd.w_kd == 1.0
     assert cfg.rollout.max_new_tokens == 16384
+    # the published protocol: chat template, the real verifiers, AIME24/25 mean@32 at T 0.6 / top_p 0.95 /
+    # top_k 20, LiveCodeBench mean@10 (all tests pass), IFEval prompt-level strict
+    assert cfg.data.chat.enabled
+    assert {d.name: d.verifier for d in cfg.data.domains} == {"math": "math_verify", "code": "code_tests",
+                                                              "if": "ifeval"}
+    b = {s.name: s for d in cfg.data.domains for s in d.eval_sources}
+    assert set(b) == {"aime24", "aime25", "livecodebench", "ifeval"}
+    for name in ("aime24", "aime25"):
+        assert (b[name].n, b[name].temperature, b[name].top_p, b[name].top_k) == (32, 0.6, 0.95, 20)
+        assert b[name].headline() == "mean@32" and b[name].verifier_args == {"mode": "aime"}
+    assert b["livecodebench"].headline() == "mean@10" and b["livecodebench"].verifier_args["scoring"] == "all"
+    assert b["ifeval"].headline() == "prompt_strict" and b["ifeval"].temperature == 0
 
 
 def test_every_field_has_a_description():
@@ -86,6 +98,15 @@ def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
     assert stage_fingerprint(a.mopd) != stage_fingerprint(b.mopd)
     assert stage_fingerprint(a.sft) == stage_fingerprint(b.sft)
     assert flatten({"x": {"y": 1, "z": {"w": 2}}}) == {"x.y": 1, "x.z.w": 2}
+    # domains and their benchmarks: keyed by name, every setting its own param (as overrides address them)
+    cfg = load_config("open_mopd_smollm3")
+    flat = flatten(cfg.model_dump(mode="json"))
+    assert flat["data.domains.math.verifier_args.mode"] == "boxed"
+    assert flat["data.domains.math.eval_sources.aime24.n"] == 32
+    assert flat["data.domains.if.eval_sources.ifeval.metrics"] == ["prompt_strict", "prompt_loose", "inst_strict",
+                                                                   "inst_loose"]
+    assert not any(k == "data.domains" for k in flat)
+    assert flatten({"l": [{"name": "a"}, {"name": "a"}]}) == {"l": [{"name": "a"}, {"name": "a"}]}  # not unique
 
 
 @pytest.mark.parametrize("overrides,needle", [

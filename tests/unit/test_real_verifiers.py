@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import os
 import subprocess
 import sys
@@ -329,3 +330,32 @@ def test_missing_or_bad_fields_are_one_line_errors(punkt_tab):
         with pytest.raises(DomainError) as e:
             get_verifier(name, **args).validate(ex)
         assert needle in str(e.value) and "\n" not in str(e.value), (needle, str(e.value))
+
+
+def test_training_rewards_get_the_truncation_flags(tmp_path):
+    """`zero_if_truncated` in training, not only at eval: the loop's reward call passes each completion's
+    truncation flag (budget used up without a stop id) to the domain's verifier."""
+    import torch
+
+    from mopd_core.domains import build_domain
+    from mopd_core.evaluation import truncated_flags
+    from mopd_core.rollout import RolloutBatch
+    from mopd_core.train.loop import _rewards
+
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2?", "answer": "4"})
+                 + "\n")
+    dom = build_domain("math", str(f), eval_size=0, verifier="math_verify",
+                       verifier_args={"zero_if_truncated": True})
+    exs = [e for e in dom.train_examples(40, random.Random(0)) if e.answer == "2"][:1] + \
+        [e for e in dom.train_examples(40, random.Random(0)) if e.answer == "4"][:1]
+    ok = [rf"\boxed{{{e.answer}}}" for e in exs]
+    # row 0 used the 3-token budget without a stop id (9): truncated; row 1 stopped on 9
+    ids = torch.tensor([[5, 6, 7], [5, 9, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1), ids, mask, torch.zeros(2, 3),
+                         exs, ok)
+    flags = truncated_flags(batch, 3, [9])
+    assert flags == [True, False]
+    assert dom.rewards(exs, ok) == [1.0, 1.0]  # without flags: nothing is known to be cut off
+    assert _rewards({"math": dom}, batch, flags) == [0.0, 1.0]
