@@ -9,6 +9,7 @@ fingerprint is set aside as `<stage>@<fingerprint>`, never overwritten.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import time
@@ -121,8 +122,6 @@ def model_ref_id(path: str | Path) -> str:
     if info:
         return f"stage:{info['fingerprint']}:{info.get('steps')}"
     if (p / "config.json").exists():  # a checkpoint dir: its config and weight sizes, not where it lies
-        import hashlib
-
         sizes = sorted((f.name, f.stat().st_size) for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
         return f"dir:{hashlib.sha256((p / 'config.json').read_bytes()).hexdigest()[:16]}:{sizes}"
     return str(p)  # a hub id
@@ -141,8 +140,8 @@ def base_model(recipe: RecipeConfig) -> Path | str:
 # (local paths) and the orchestrator's cache keys (identities it already knows) — one stage identity.
 def _sft_fp(recipe: RecipeConfig, base_id: str) -> str:
     sft_cfg = recipe.sft.model_dump(exclude={"eval_every", "eval_size", "logging_steps"})  # reporting only
-    return stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, recipe.data, sft_cfg,
-                             recipe.rollout.max_new_tokens, recipe.eval, base_id,
+    return stage_fingerprint("sft", recipe.seed, recipe.runtime.dtype, recipe.model, data_fingerprint_part(recipe),
+                             sft_cfg, recipe.rollout.max_new_tokens, recipe.eval, base_id,
                              *([precision_fingerprint_part(recipe)] if recipe.runtime.dtype != "float32" else []))
 
 
@@ -161,6 +160,23 @@ def precision_fingerprint_part(recipe: RecipeConfig) -> dict:
     return {} if recipe.runtime.dtype == "float32" else {"master_weights": devlib.TRAIN_MASTER_DTYPE}
 
 
+def data_fingerprint_part(recipe: RecipeConfig, benchmarks: bool = False) -> dict:
+    """`data` as the fingerprints take it. The training stages leave each domain's `eval_sources` out: benchmarks
+    change what the eval stage measures, not what a stage trains (adding AIME25 must not retrain SFT). A
+    chat-template override file counts by its content, not its path (an edited template is another rendering;
+    the same template moved is not). Configs without either dump as before, so their fingerprints stay."""
+    d = recipe.data.model_dump(mode="json")
+    if not benchmarks:
+        for dom in d["domains"]:
+            dom.pop("eval_sources", None)
+    tpl = (d.get("chat") or {}).get("chat_template")
+    if tpl:
+        p = Path(tpl)
+        d["chat"]["chat_template"] = ("sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+                                      if p.is_file() else tpl)  # unreadable: the formatter names it
+    return d
+
+
 def behaviour_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
     """With truncated sampling the policy loop recomputes the behaviour log-probs with the trainer's model (before,
     a top_p < 1 stage trained on the engine's processed ones): marked in the expert/mopd fingerprints then, and
@@ -172,7 +188,8 @@ def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
-    return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+    return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, data_fingerprint_part(recipe),
+                             recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
                              train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
 
@@ -180,7 +197,8 @@ def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
     from .train.loop import TRAJECTORY_FREE
 
-    return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
+    return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, data_fingerprint_part(recipe),
+                             recipe.rollout,
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
                              init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
@@ -188,8 +206,9 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:
-    return stage_fingerprint("evaluate", recipe.seed, recipe.runtime.dtype, recipe.data, recipe.rollout,
-                             recipe.eval, dict(sorted(model_ids.items())))
+    return stage_fingerprint("evaluate", recipe.seed, recipe.runtime.dtype,
+                             data_fingerprint_part(recipe, benchmarks=True), recipe.rollout, recipe.eval,
+                             dict(sorted(model_ids.items())))
 
 
 def base_identity(recipe: RecipeConfig, base: str | Path | None = None) -> str:

@@ -63,3 +63,33 @@ def test_engine_and_orchestrator_compute_the_same_fingerprint(cfg, tmp_path):
     shutil.copytree(final, moved)
     assert R.model_ref_id(moved) == R.model_ref_id(final) == "stage:f00:6"
     assert R.expert_fingerprint(cfg, "math", moved) == ident.fingerprint
+
+
+def test_benchmarks_change_only_the_eval_identity_and_a_template_counts_by_content(tmp_path):
+    """eval_sources are what the eval stage measures, not what a stage trains: adding one leaves SFT, the experts
+    and MOPD reusable and changes the evaluate fingerprint. A chat-template override counts by its content: an
+    edited file is another identity, the same file elsewhere is not."""
+    from mopd_core.config import load_config
+
+    real = "data/real_mini/math.jsonl"
+    dom = f"data.domains=[{{name: math, source: {real}, verifier: math_verify, eval_size: 4}}]"
+    ov = [o for o in tiny_overrides(tmp_path) if not o.startswith("data.domains")] + [
+        dom, "sft.mix=null", "mopd.mix=null", "data.max_prompt_tokens=200"]
+    base = load_config("tiny", ov)
+    bench = load_config("tiny", ov[:-3] + [
+        f"data.domains=[{{name: math, source: {real}, verifier: math_verify, eval_size: 4, eval_sources: "
+        f"[{{name: m, source: {real}, verifier: math_verify}}]}}]", *ov[-3:]])
+    for s, ident in _ids(bench).items():
+        assert ident.fingerprint == _ids(base)[s].fingerprint, s
+    assert R._eval_fp(bench, {"student": "x"}) != R._eval_fp(base, {"student": "x"})
+
+    def with_template(path):
+        return load_config("tiny", ov + ["model.tiny.chat=true", "data.chat.enabled=true",
+                                         f"data.chat.chat_template={path}"])
+    a, b = tmp_path / "a.jinja", tmp_path / "b.jinja"
+    a.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    b.write_text(a.read_text())
+    fa, fb = _ids(with_template(a))["sft"].fingerprint, _ids(with_template(b))["sft"].fingerprint
+    assert fa == fb  # the same template under another path
+    b.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert _ids(with_template(b))["sft"].fingerprint != fa  # an edited template
