@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .config import IFEVAL_METRICS, EvalConfig, EvalSource
-from .domains.base import DomainError, Example
+from .domains.base import DomainError, Example, domain_rewards
 from .rollout import HFRollout
 
 # The keys of every per-row result (`EvalResult.rows`, one JSON object per line in `write_rows_jsonl`).
@@ -267,7 +267,7 @@ def evaluate(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, d
         if cfg.greedy:
             b = engine.generate(exs, max_new_tokens=max_new_tokens, greedy=True, batch_size=cfg.batch_size)
             tr = truncated_flags(b, max_new_tokens, stops)
-            rw = dom.rewards(exs, b.texts, tr)
+            rw = domain_rewards(dom, exs, b.texts, tr)
             res["greedy"] = sum(rw) / len(exs)
             rows.extend(_heldout_rows(name, "heldout:greedy", exs, b, rw, tr))
         if cfg.mean_at_k:
@@ -276,7 +276,7 @@ def evaluate(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, d
             b = engine.generate(rep, max_new_tokens=max_new_tokens, temperature=cfg.temperature, generator=gen,
                                 batch_size=cfg.batch_size)
             tr = truncated_flags(b, max_new_tokens, stops)
-            rw = dom.rewards(rep, b.texts, tr)
+            rw = domain_rewards(dom, rep, b.texts, tr)
             res[f"mean@{k}"] = sum(rw) / len(rep)
             rows.extend(_heldout_rows(name, f"heldout:mean@{k}", rep, b, rw, tr, k))
         out[name] = res

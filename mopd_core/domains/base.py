@@ -195,10 +195,15 @@ class Domain(ABC):
     def reward(self, example: Example, completion: str) -> float:
         """Reward of `completion` for `example`, in [0, 1]."""
 
+    # True when the rewards depend on whether a completion was cut off by the token budget (a dataset domain whose
+    # verifier has zero_if_truncated): only then do callers pass `truncated` (a domain written before the argument
+    # existed keeps its two-argument `rewards`)
+    uses_truncation: bool = False
+
     def rewards(self, examples: Sequence[Example], completions: Sequence[str],
                 truncated: Sequence[bool] | None = None) -> list[float]:
-        """Rewards of a batch. `truncated` (per completion: hit the token budget without a stop id) reaches
-        verifiers that use it (`zero_if_truncated`); the synthetic domains' exact match ignores it."""
+        """Rewards of a batch. `truncated` (per completion: hit the token budget without a stop id) is passed
+        when `uses_truncation`; the synthetic domains' exact match ignores it."""
         if len(examples) != len(completions):
             raise ValueError(f"rewards: {len(examples)} examples but {len(completions)} completions; pass one "
                              "completion per example")
@@ -249,6 +254,14 @@ def get_domain_factory(kind: str) -> DomainFactory:
 
 
 SYNTHETIC_PREFIX = "synthetic:"
+
+
+def domain_rewards(domain, examples: Sequence[Example], completions: Sequence[str],
+                   truncated: Sequence[bool] | None = None) -> list[float]:
+    """`domain.rewards`, with the truncation flags only for a domain that uses them (`Domain.uses_truncation`)."""
+    if truncated is not None and getattr(domain, "uses_truncation", False):
+        return domain.rewards(examples, completions, truncated)
+    return domain.rewards(examples, completions)
 
 
 def build_domain(name: str, source: str, params: Mapping[str, Any] | None = None, eval_size: int = 200,

@@ -272,6 +272,10 @@ class DatasetDomain(Domain):
         self._eval_prompts = frozenset(prompts[:n_eval])
         self._train = tuple(e for p in prompts[n_eval:] for e in by_prompt[p])
 
+    @property
+    def uses_truncation(self) -> bool:
+        return bool(getattr(self.verifier, "zero_if_truncated", False))
+
     def train_examples(self, n: int, rng: random.Random) -> list[Example]:
         k = len(self._train)
         return [self._train[rng.randrange(k)] for _ in range(n)]

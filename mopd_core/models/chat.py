@@ -252,6 +252,14 @@ def _key(prompt: Any) -> Any:
     return prompt
 
 
+def carry_chat_template(tokenizer, chat: ChatConfig | None) -> None:
+    """With a `data.chat.chat_template` override, make it the tokenizer's own template, so every checkpoint a
+    stage saves renders chat the way it was trained (vLLM, transformers and the next stage load it from the
+    tokenizer files). Rendering here is unchanged: the formatter passes the override explicitly."""
+    if chat is not None and chat.enabled and chat.chat_template:
+        tokenizer.chat_template = _read_template(chat.chat_template)
+
+
 def _read_template(path: str) -> str:
     p = Path(path).expanduser()
     try:

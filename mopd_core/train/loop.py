@@ -28,8 +28,10 @@ import torch
 from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
+from ..domains.base import domain_rewards
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, stop_ids_of, truncated_flags
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
+from ..models.chat import carry_chat_template
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
@@ -160,6 +162,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     dinfo = devlib.resolve(recipe.runtime.device)
     device = dinfo.torch_device
     tokenizer = load_tokenizer(init_path)
+    carry_chat_template(tokenizer, recipe.data.chat)  # the checkpoints carry an override template
     if teachers is not None:  # pre-flight before any compute: tokenizers and routing
         teachers.check(tokenizer_fingerprint(tokenizer), list(domains))
     names = list(domains)
@@ -425,8 +428,8 @@ def _rewards(domains, batch: RolloutBatch, truncated: list[bool] | None = None) 
     for i, e in enumerate(batch.examples):
         by_dom[e.teacher_id].append(i)
     for d, rows in by_dom.items():
-        rs = domains[d].rewards([batch.examples[i] for i in rows], [batch.texts[i] for i in rows],
-                                None if truncated is None else [truncated[i] for i in rows])
+        rs = domain_rewards(domains[d], [batch.examples[i] for i in rows], [batch.texts[i] for i in rows],
+                            None if truncated is None else [truncated[i] for i in rows])
         for i, r in zip(rows, rs):
             out[i] = float(r)
     return out

@@ -24,7 +24,7 @@ from ..domains.base import thaw
 from ..errors import DataError
 from ..evaluation import evaluate_model
 from ..models import disk_full_error, load_model, load_tokenizer, save_pretrained
-from ..models.chat import check_prompt_kind, formatter_for, preview
+from ..models.chat import carry_chat_template, check_prompt_kind, formatter_for, preview
 from ..runtime import device as devlib
 from .checkpoint import checkpoint_step, claim_stage, read_stage, trainer_checkpoints, write_stage
 from .loop import NonFiniteLossError, sample_prompts
@@ -105,6 +105,7 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     elif cfg.steps > 0:
         history, state, where = trainer(base_path, rows, stage_dir, domains)
         model.load_state_dict(state)
+    carry_chat_template(tokenizer, recipe.data.chat)
     final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
     ev = evaluate_model(model, tokenizer, domains, recipe.eval, dinfo.torch_device,
                         recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens, recipe.seed,

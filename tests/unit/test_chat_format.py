@@ -309,3 +309,25 @@ def test_generation_stops_on_the_end_of_turn_id_not_only_eos(chat_tiny):
     finally:
         h.remove()
     assert c.tolist() == [[seven, ime]] * 2 and m.tolist() == [[1, 1]] * 2
+
+
+def test_an_override_template_travels_in_every_checkpoint_the_stages_save(tmp_path):
+    """`data.chat.chat_template` becomes the saved tokenizer's own template (SFT's final model, and the policy
+    loop's checkpoints and final model), so the model renders chat elsewhere as it was trained here."""
+    from mopd_core.models import load_tokenizer
+    from tests.conftest import tiny_overrides
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+    cfg = load_config("tiny", tiny_overrides(tmp_path / "runs") + [
+        "model.tiny.chat=true", "data.chat.enabled=true", f"data.chat.chat_template={f}", "sft.steps=1",
+        "expert.steps=1", "expert.save_every=1", "data.max_prompt_tokens=40"])
+    sft = R.sft_stage(cfg, R.base_model(cfg), progress=False)
+    assert load_tokenizer(sft.model_dir).chat_template == f.read_text()
+    assert not load_tokenizer(cfg.run_dir() / "base").chat_template == f.read_text()  # the base's own is kept
+    exp = R.expert_stage(cfg, "math", sft.model_dir, progress=False)
+    ckpts = sorted((exp.model_dir.parent / "checkpoints").glob("step-*"))
+    for d in [exp.model_dir, *(c / "model" for c in ckpts)]:
+        assert load_tokenizer(d).chat_template == f.read_text(), d
+    assert ckpts
