@@ -94,7 +94,7 @@ case "${1:-}" in
     MOPD_ROOT="$ROOT" "$BIN/prefect" --no-prompt deploy --all --prefect-file infra/prefect.yaml
     ;;
   stop)
-    stop_one worker INT 20      # the process worker ignores SIGTERM for a while; SIGINT stops it
+    stop_one worker INT 20      # graceful first; an idle Prefect 3.9.1 worker ignores SIGINT/SIGTERM (measured: >60 s), so 20 s then KILL
     stop_one mlflow-server TERM 15
     stop_one prefect-server TERM 15
     ;;
