@@ -162,12 +162,10 @@ def render_preview(example, cfg) -> str | None:
     tokenizer and `data.chat`), as text, with its token count; None without a preset."""
     if cfg is None:
         return None
-    from .models import build_tiny_tokenizer, load_tokenizer
     from .models.chat import PromptFormatter
+    from .recipe import run_tokenizer
 
-    # the tiny tokenizer is built in memory (nothing written); any other base is read as the recipe reads it
-    tok = build_tiny_tokenizer(chat=cfg.model.tiny.chat) if cfg.model.base == "tiny" else load_tokenizer(cfg.model.base)
-    fmt = PromptFormatter(tok, cfg.data.chat)
+    fmt = PromptFormatter(run_tokenizer(cfg), cfg.data.chat)
     n = len(fmt.ids(example))
     return (f"{fmt.text(example)!r} ({n} tokens; data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
             f"{', over it' if n > cfg.data.max_prompt_tokens else ''})")

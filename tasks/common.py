@@ -272,11 +272,12 @@ def publish_eval_tables(cfg, rep) -> None:
 
 
 def _short(v, n: int = 160) -> str:
+    """A prompt (string, or chat messages: the last user turn — `models.chat.preview`) or text, cut to `n`."""
+    from mopd_core.models.chat import preview
+
     if v is None:
         return ""
-    if not isinstance(v, str):  # chat messages: the last user turn
-        v = next((m.get("content", "") for m in reversed(v) if isinstance(m, dict) and m.get("role") == "user"),
-                 str(v))
+    v = preview(v, n + 1)
     return v if len(v) <= n else v[:n - 1] + "…"
 
 
