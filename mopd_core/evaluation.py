@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .config import IFEVAL_METRICS, EvalConfig, EvalSource
-from .domains.base import DomainError, Example, domain_rewards
+from .domains.base import DomainError, Example, domain_rewards, thaw
 from .rollout import HFRollout
 
 # The keys of every per-row result (`EvalResult.rows`, one JSON object per line in `write_rows_jsonl`).
@@ -72,14 +72,13 @@ def mean_at_n(rewards: Sequence[Sequence[float]]) -> float:
 def truncated_flags(batch, max_new_tokens: int, stop_ids: Sequence[int] | None) -> list[bool]:
     """Per row of a `RolloutBatch`: did the completion use all `max_new_tokens` without ending on a stop id?
     (`stop_ids` None: every full-length completion counts as truncated.)"""
-    lengths = batch.completion_mask.sum(-1).tolist()
-    stops = set(stop_ids or ())
-    out = []
-    for i, n in enumerate(lengths):
-        n = int(n)
-        last = int(batch.completion_ids[i, n - 1]) if n else None
-        out.append(n >= max_new_tokens and last not in stops)
-    return out
+    n = batch.completion_mask.sum(-1).long()
+    full = n >= max_new_tokens
+    if stop_ids:
+        last = batch.completion_ids.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
+        stops = torch.tensor(list(stop_ids), dtype=last.dtype, device=last.device)
+        full &= ~(last[:, None] == stops).any(-1)  # elementwise, as rollout.sample: every device backend has it
+    return full.tolist()
 
 
 def _ifeval_metrics(verdicts: Mapping[str, Sequence[Any]], wanted: Sequence[str]) -> dict[str, float]:
@@ -127,7 +126,7 @@ class Benchmark:
     spec: EvalSource
     verifier: Any
     examples: list[Example]
-    ifeval: dict[str, Any] = field(default_factory=dict)  # mode → IFEval(score=all) for the IFEval metrics
+    ifeval: dict[str, Any] = field(default_factory=dict)  # mode → the IFEval verifier of the IFEval metrics
 
 
 def eval_sources_of(recipe) -> dict[str, list[EvalSource]]:
@@ -167,7 +166,9 @@ def load_benchmarks(domain: str, sources: Sequence[EvalSource], eval_size: int |
                     raise DomainError(f"{spec.source} row {i}: {err}") from None
             modes = {m.split("_")[1] for m in spec.metric_keys() if m in IFEVAL_METRICS}
             common = {k: v for k, v in spec.verifier_args.items() if k not in ("mode", "score")}
-            ife = {m: get_verifier("ifeval", mode=m, score="all", **common) for m in sorted(modes)}
+            # the per-instruction verdicts do not depend on `score`: the benchmark's own verifier serves its mode
+            ife = {m: ver if getattr(ver, "mode", None) == m and spec.verifier == "ifeval"
+                   else get_verifier("ifeval", mode=m, score="all", **common) for m in sorted(modes)}
         except DomainError as e:
             raise DomainError(f"{where}: {e}") from None
         out.append(Benchmark(domain, spec, ver, exs, ife))
@@ -179,17 +180,8 @@ def _seed_of(seed: int, domain: str, bench: str) -> int:
     return zlib.crc32(f"mopd-eval:{seed}:{domain}:{bench}".encode())
 
 
-def _prompt_json(e: Any) -> Any:
-    p = getattr(e, "prompt", e)
-    return p if isinstance(p, str) else e.prompt_messages()
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
+def _prompt_json(e: Example) -> Any:
+    return e.prompt if isinstance(e.prompt, str) else thaw(e.prompt)
 
 
 def _gen_kwargs(spec: EvalSource) -> dict:
@@ -212,19 +204,14 @@ def _run_benchmark(engine, b: Benchmark, max_new_tokens: int, batch_size: int, s
     batch = engine.generate(rep, max_new_tokens=budget, generator=gen, batch_size=batch_size, **_gen_kwargs(spec))
     trunc = truncated_flags(batch, budget, stops)
     verdicts = b.verifier.score_batch(rep, batch.texts, trunc)
-    ife = {m: v.score_batch(rep, batch.texts, trunc) for m, v in b.ifeval.items()}
+    ife = {m: verdicts if v is b.verifier else v.score_batch(rep, batch.texts, trunc) for m, v in b.ifeval.items()}
     rewards = [[verdicts[p * spec.n + s].reward for s in range(spec.n)] for p in range(len(b.examples))]
     metrics = benchmark_metrics(spec, rewards, trunc, ife)
     rows = [{"domain": b.domain, "benchmark": spec.name, "row": i // spec.n, "sample": i % spec.n,
              "prompt": _prompt_json(e), "completion": t, "extracted": v.extracted, "reward": v.reward,
-             "truncated": tr, "info": _plain(v.info)}
+             "truncated": tr, "info": thaw(v.info)}
             for i, (e, t, v, tr) in enumerate(zip(rep, batch.texts, verdicts, trunc))]
     return metrics, rows
-
-
-def stop_ids_of(engine) -> list[int] | None:
-    get = getattr(engine, "stop_ids", None)
-    return list(get()) if callable(get) else None
 
 
 def _heldout_rows(domain: str, bench: str, exs, batch, rewards, trunc, k: int = 1) -> list[dict]:
@@ -236,16 +223,21 @@ def _heldout_rows(domain: str, bench: str, exs, batch, rewards, trunc, k: int = 
 @torch.no_grad()
 def evaluate(model, tokenizer, domains: Mapping[str, object], cfg: EvalConfig, device, max_new_tokens: int,
              seed: int = 0, eval_size: int | None = None, *, chat=None,
-             sources: Mapping[str, Sequence[EvalSource]] | None = None, engine=None) -> EvalResult:
+             sources: Mapping[str, Sequence[EvalSource]] | None = None, engine=None,
+             benchmarks: Mapping[str, Sequence[Benchmark]] | None = None) -> EvalResult:
     """Scores and per-row results of every domain (see the module docstring). `sources`: {domain: eval_sources}
     (`eval_sources_of(recipe)`); a domain absent from it is evaluated on its held-out split. `engine`: the rollout
     engine to generate with (`HFRollout`, `VllmRollout`); None = an `HFRollout` over `model` with `chat` (the
     recipe's `data.chat` or a `PromptFormatter`). `eval_size` (else `cfg.eval_size`) caps the prompts of each
-    held-out split and each benchmark. Every benchmark is loaded and validated before anything is generated."""
+    held-out split and each benchmark. Every benchmark is loaded and validated before anything is generated;
+    `benchmarks` ({domain: `load_benchmarks(...)`}) are ones already loaded (the eval stage loads them once for
+    all its models) and replace `sources`."""
     n = eval_size or cfg.eval_size
-    benches = {name: load_benchmarks(name, (sources or {}).get(name) or (), n) for name in domains}
+    if benchmarks is None:
+        benchmarks = {name: load_benchmarks(name, (sources or {}).get(name) or (), n) for name in domains}
+    benches = {name: list(benchmarks.get(name) or ()) for name in domains}
     engine = engine if engine is not None else HFRollout(model, tokenizer, device, chat=chat)
-    stops = stop_ids_of(engine)
+    stops = engine.stop_ids()
     out: dict[str, dict[str, float]] = {}
     rows: list[dict] = []
     gen = torch.Generator(device=device).manual_seed(seed + 7919)

@@ -58,11 +58,13 @@ def _shape_of(config: dict) -> tuple[int, int, int] | None:
 
 def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
                 teachers: Mapping[str, str | Path] | None = None, models: Mapping[str, str | Path] | None = None,
-                domains: Mapping[str, Any] | None = None, endpoints: Any = None) -> None:
+                domains: Mapping[str, Any] | None = None, endpoints: Any = None,
+                benchmarks: Mapping[str, Any] | None = None) -> None:
     """Pre-flight of one stage. `stage`: "recipe", "sft", "expert-<domain>", "eval", or a mopd stage's name
     ("student", "grpo-baseline"). `student`: the model it starts from (sft: the base; None = `model.base`);
     `teachers` (mopd) and `models` (eval): {name: checkpoint}; `domains`: the built domains (else built here);
-    `endpoints`: teachers already served (their checkpoints are not loaded here). Raises a `MopdError`."""
+    `endpoints`: teachers already served (their checkpoints are not loaded here); `benchmarks` (eval, recipe):
+    {domain: `evaluation.load_benchmarks(...)`} already loaded (else loaded here). Raises a `MopdError`."""
     from .runtime import device as devlib
 
     dinfo = devlib.resolve(recipe.runtime.device)  # a device this host lacks: PlacementError, now
@@ -83,7 +85,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
             _check_context(recipe, m, eval=True)
         if evals:
             _check_prompts(recipe, _tokenizer(evals[0]), domains)
-            _check_benchmarks(recipe, _tokenizer(evals[0]), evals)
+            _check_benchmarks(recipe, _tokenizer(evals[0]), evals, benchmarks)
         return  # evaluation writes nothing
     base = student is None and stage in ("recipe", "sft")
     stu = _base(recipe) if base else _inspect(recipe, "--init" if stage != "sft" else "--base", student)
@@ -102,7 +104,7 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
         _check_memory(recipe, stage, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
     if stage == "recipe":  # a bad benchmark file fails now, not after hours of training
-        _check_benchmarks(recipe, _tokenizer(stu), [stu])
+        _check_benchmarks(recipe, _tokenizer(stu), [stu], benchmarks)
     stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
     _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
 
@@ -167,9 +169,10 @@ def _base(recipe: RecipeConfig) -> _Model:
         return _inspect(recipe, "model.base (tiny)", built)
     import torch
 
-    from .models import build_tiny_model, build_tiny_tokenizer
+    from .models import build_tiny_model
+    from .recipe import run_tokenizer
 
-    tok = build_tiny_tokenizer(chat=recipe.model.tiny.chat)  # the tokenizer base_model will build
+    tok = run_tokenizer(recipe)  # the tokenizer base_model will build
     with torch.device("meta"):  # shapes only: no memory, no init
         n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
                                                     tok.eos_token_id).parameters())
@@ -259,7 +262,8 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
 # ---------------------------------------------------------------- data
 
 
-def _check_benchmarks(recipe: RecipeConfig, tokenizer, models: list[_Model]) -> None:
+def _check_benchmarks(recipe: RecipeConfig, tokenizer, models: list[_Model],
+                      benchmarks: Mapping[str, Any] | None = None) -> None:
     """Every `eval_sources` benchmark: its file, verifier and rows (`evaluation.load_benchmarks`), each prompt
     within data.max_prompt_tokens as the rollout renders it, and prompt + its token budget + 1 within each
     model's positions."""
@@ -269,8 +273,11 @@ def _check_benchmarks(recipe: RecipeConfig, tokenizer, models: list[_Model]) -> 
 
     limit = recipe.data.max_prompt_tokens
     new = recipe.eval.max_new_tokens or recipe.rollout.max_new_tokens
-    for domain, sources in eval_sources_of(recipe).items():
-        for b in load_benchmarks(domain, sources, recipe.eval.eval_size):
+    if benchmarks is None:
+        benchmarks = {d: load_benchmarks(d, specs, recipe.eval.eval_size)
+                      for d, specs in eval_sources_of(recipe).items()}
+    for domain, benches in benchmarks.items():
+        for b in benches:
             where = f"data.domains[{domain}].eval_sources[{b.spec.name}]"
             budget = b.spec.max_new_tokens or new
             for m in models:

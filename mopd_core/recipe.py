@@ -86,13 +86,14 @@ def build_domains(recipe: RecipeConfig, names: list[str] | None = None) -> dict:
 
 
 def run_tokenizer(recipe: RecipeConfig):
-    """The tokenizer every stage of the recipe uses (the base model's; teachers must share it): the tiny one as
-    `base_model` builds it, else `model.tokenizer` or `model.base` loaded (no download)."""
+    """The tokenizer every stage of the recipe uses (the base model's, which SFT saves with its model; teachers
+    must share it): the tiny one as `base_model` builds it (in memory, nothing written), else `model.base`'s
+    loaded as the stages load it (no download)."""
     from .models import build_tiny_tokenizer, load_tokenizer
 
     if recipe.model.base == "tiny":
         return build_tiny_tokenizer(chat=recipe.model.tiny.chat)
-    return load_tokenizer(recipe.model.tokenizer or recipe.model.base)
+    return load_tokenizer(recipe.model.base)
 
 
 def overlong_prompt_filter(recipe: RecipeConfig):
@@ -387,17 +388,20 @@ def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path], out_dir: str
     """Evaluate every model ({label: checkpoint}) on each domain's benchmarks (`eval_sources`) or held-out split;
     an `evaluation.EvalReport`. With `out_dir`: its files written there (`EvalReport.write`; `extra` goes into
     accuracy.json). Every benchmark file is read and checked before the first model loads."""
-    from .evaluation import eval_report, eval_sources_of
+    from .evaluation import eval_report, eval_sources_of, load_benchmarks
     from .train.loop import evaluate_checkpoint
 
     domains = build_domains(recipe)
-    preflight.check_stage(recipe, "eval", models=models, domains=domains)
+    sources = eval_sources_of(recipe)
+    # read, validated and their verifiers built once for every model (and the pre-flight)
+    benchmarks = {d: load_benchmarks(d, specs, recipe.eval.eval_size) for d, specs in sources.items()}
+    preflight.check_stage(recipe, "eval", models=models, domains=domains, benchmarks=benchmarks)
     acc, rows = {}, []
     for label, path in models.items():
-        res = evaluate_checkpoint(path, recipe, domains)
+        res = evaluate_checkpoint(path, recipe, domains, benchmarks=benchmarks)
         acc[label] = res.scores
         rows.extend({"model": label, **r} for r in res.rows)
-    rep = eval_report(acc, rows, recipe.domain_names(), eval_sources_of(recipe))
+    rep = eval_report(acc, rows, recipe.domain_names(), sources)
     if out_dir is not None:
         rep.write(out_dir, extra)
     return rep

@@ -196,9 +196,10 @@ def _trail(mask: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def completion_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, *, impl: str = "chunked",
-                        micro_batch_size: int | None = None) -> torch.Tensor:
+                        micro_batch_size: int | None = None, packed: bool = False) -> torch.Tensor:
     """`[B,T]` log-probs of the completion tokens (0 where masked): `score_completions(...).logp`."""
-    return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size).logp
+    return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size,
+                             packed=packed).logp
 
 
 def prompt_ids(tokenizer, prompts: Sequence[Any], formatter=None, chat=None) -> list[list[int]]:
@@ -283,14 +284,13 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     toks, lps, masks = [], [], []
     for _ in range(max_new_tokens):
         lg = logits[:, -1].float() / temperature
-        logp = torch.log_softmax(lg, dim=-1)
         if greedy:
+            logp = torch.log_softmax(lg, dim=-1)
             tok = lg.argmax(-1)
-        elif top_p < 1.0 or top_k > 0 or min_p > 0.0:
-            logp = torch.log_softmax(lg.masked_fill(~sampling_mask(lg, top_p=top_p, top_k=top_k, min_p=min_p),
-                                                    float("-inf")), dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        else:
+        else:  # the distribution sampled from: truncated and renormalised when top_p / top_k / min_p are on
+            if top_p < 1.0 or top_k > 0 or min_p > 0.0:
+                lg = lg.masked_fill(~sampling_mask(lg, top_p=top_p, top_k=top_k, min_p=min_p), float("-inf"))
+            logp = torch.log_softmax(lg, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         lp = logp.gather(-1, tok[:, None]).squeeze(-1)
         live = ~finished
@@ -320,6 +320,11 @@ class RolloutEngine:
     def sync_weights(self, model=None) -> dict:
         """Hand the trainer's current weights to the engine; returns a report (`bytes_copied`, `seconds`, …)."""
         raise NotImplementedError
+
+    def stop_ids(self) -> list[int] | None:
+        """Every id generation stops on (EOS, generation config, end-of-turn); None = unknown, and then every
+        completion that used the whole budget counts as cut off (`evaluation.truncated_flags`)."""
+        return None
 
     def sleep(self, level: int | None = None) -> None:
         """Give the device memory back between rollouts (colocated placement)."""

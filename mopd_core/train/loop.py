@@ -29,7 +29,7 @@ from .. import algorithms as alg
 from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
 from ..domains.base import domain_rewards
-from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, stop_ids_of, truncated_flags
+from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, truncated_flags
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..models.chat import carry_chat_template
 from ..rollout import RolloutBatch, score_completions
@@ -232,7 +232,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         history: list[dict] = []
         last_eval: dict = {}
         G = loop_cfg.group_size
-        stop_ids = stop_ids_of(engine)  # a completion that ends without one of them was cut off by the budget
+        stop_ids = engine.stop_ids()  # a completion that ends without one of them was cut off by the budget
+        # only domains whose rewards depend on it (zero_if_truncated) need the flags
+        flag_cut_offs = any(getattr(d, "uses_truncation", False) for d in domains.values())
         top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
 
         bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
@@ -256,9 +258,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
                     t0 = time.perf_counter()
                     batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
-                                                            loop_cfg.micro_batch_size, amp)
+                                                            loop_cfg.micro_batch_size, amp,
+                                                            packed=recipe.train.packing)
                     trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
-                cut_off = truncated_flags(batch, max_new, stop_ids)
+                cut_off = truncated_flags(batch, max_new, stop_ids) if flag_cut_offs else None
                 rewards = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
                 mask = batch.completion_mask.float()
 
@@ -378,8 +381,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
 
 
 def recompute_behaviour_logp(model, batch: RolloutBatch, temperature: float, impl: str = "chunked",
-                             micro_batch_size: int | None = None, amp=contextlib.nullcontext
-                             ) -> tuple[RolloutBatch, dict[str, float]]:
+                             micro_batch_size: int | None = None, amp=contextlib.nullcontext, *,
+                             packed: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """`batch` with its behaviour log-probs replaced by the trainer's `completion_logprobs` (no gradient, in `amp`),
     and `rollout/trunc_logp_gap`: the mean over completion tokens of (engine's − recomputed), ≥ 0.
 
@@ -395,7 +398,7 @@ def recompute_behaviour_logp(model, batch: RolloutBatch, temperature: float, imp
 
     with torch.no_grad(), amp():
         logp = rollout_mod.completion_logprobs(model, batch, temperature, impl=impl,
-                                               micro_batch_size=micro_batch_size)
+                                               micro_batch_size=micro_batch_size, packed=packed)
     cm = batch.completion_mask.bool()
     logp = torch.where(cm, logp, torch.zeros_like(logp)).to(batch.behaviour_logp.dtype)  # 0 where masked
     n = int(cm.sum())
@@ -551,10 +554,12 @@ def _truncate_metrics(path: Path, upto_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None) -> EvalResult:
+def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None, *,
+                        benchmarks=None) -> EvalResult:
     """Scores and per-row results of one checkpoint (`evaluation.evaluate`): each domain's `eval_sources`
-    benchmarks, else its held-out split. Generation goes through `rollout.backend` (vLLM on GPU, sized for the
-    longest benchmark budget), rendered and stopped as `data.chat` says."""
+    benchmarks (`benchmarks`: already loaded by `evaluation.load_benchmarks`, else loaded here), else its
+    held-out split. Generation goes through `rollout.backend` (vLLM on GPU, sized for the longest benchmark
+    budget), rendered and stopped as `data.chat` says."""
     dinfo = devlib.resolve(recipe.runtime.device)
     model = load_model(path, dinfo.torch_device, recipe.runtime.dtype).eval()
     tok = load_tokenizer(path)
@@ -568,7 +573,7 @@ def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfi
                                max_model_len=recipe.data.max_prompt_tokens + budget)
     try:
         return evaluate(model, tok, domains, cfg, dinfo.torch_device, new, recipe.seed, chat=recipe.data.chat,
-                        sources=sources, engine=engine)
+                        sources=sources, engine=engine, benchmarks=benchmarks)
     finally:
         if engine is not None:
             engine.close()

@@ -138,7 +138,7 @@ def test_heldout_path_gives_the_numbers_of_before(tiny):
 # ---------------------------------------------------------------- eval_sources over real-mini
 
 
-def test_eval_sources_over_real_mini_with_the_real_verifiers(chat_tiny, tmp_path):
+def test_eval_sources_over_real_mini_with_the_real_verifiers(chat_tiny, tmp_path, monkeypatch):
     model, tok = chat_tiny
     srcs = {
         "math": [EvalSource(name="mini-math", source=str(REAL_MINI / "math.jsonl"), verifier="math_verify",
@@ -177,6 +177,16 @@ def test_eval_sources_over_real_mini_with_the_real_verifiers(chat_tiny, tmp_path
     ife = [r for r in res.rows if r["benchmark"] == "mini-ifeval"]
     assert all(r["info"]["mode"] == "strict" and r["info"]["followed"] for r in ife)
     assert [r["prompt"][-1]["role"] for r in res.rows if r["domain"] == "math"] == ["user"] * 8
+    # benchmarks loaded once serve every later evaluation (the eval stage's models) with the same numbers; the
+    # IFEval benchmark's own strict verifier gives its strict metrics, the loose ones get a verifier of their own
+    loaded = {d: EV.load_benchmarks(d, specs, 2) for d, specs in srcs.items()}
+    (ifb,) = loaded["if"]
+    assert ifb.ifeval["strict"] is ifb.verifier and ifb.ifeval["loose"] is not ifb.verifier
+    with monkeypatch.context() as mp:
+        mp.setattr(EV, "load_benchmarks", lambda *a, **k: pytest.fail("benchmarks loaded again"))
+        again = EV.evaluate(model, tok, domains, cfg, "cpu", 8, seed=0, eval_size=2, chat=ChatConfig(enabled=True),
+                            benchmarks=loaded)
+    assert again.scores == s and [r["completion"] for r in again.rows] == [r["completion"] for r in res.rows]
     # JSONL artifact
     p = EV.write_rows_jsonl(res.rows, tmp_path / "rows.jsonl", model="student")
     back = [json.loads(x) for x in p.read_text().splitlines()]
