@@ -236,6 +236,7 @@ def test_ui_custom_run_of_a_stage_deployment(services, recipe_runs):
     ui = services.api.removesuffix("/api")
     p = subprocess.run(["node", str(BROWSER_DIR / "custom_run.mjs"), ui, dep_id, "Steps (Optional)", "2", str(shot)],
                        cwd=BROWSER_DIR, env=services.client_env, text=True, capture_output=True, timeout=660)
+    print(p.stdout, p.stderr)  # the script's timeline (shown with -s or beside a failure)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert shot.exists()
     info = json.loads(p.stdout.strip().splitlines()[-1])

@@ -38,7 +38,16 @@ try {
   await field.fill(value);
   await page.screenshot({ path: shot.replace(/\.png$/, '-form.png'), fullPage: true });
   const runsBefore = new Set((await deploymentRuns()).map((r) => r.id));
-  await page.getByRole('button', { name: 'Submit' }).click();
+  // what the submit asked the API and what it answered: tells a form that sent nothing from a server that refused
+  const creates = [];
+  page.on('response', async (r) => {
+    if (!/\/create_flow_run\b/.test(r.url()) || r.request().method() !== 'POST') return;
+    const body = await r.text().catch(() => '');
+    creates.push({ status: r.status(), body: body.slice(0, 500) });
+    log('create_flow_run answered', r.status(), r.status() >= 400 ? body.slice(0, 500) : '');
+  });
+  const submit = page.getByRole('button', { name: 'Submit' });
+  await submit.click();
   log('submitted');
   const onRun = /flow-run\/[0-9a-f-]{36}/;
   // the new UI stays on the form and shows a toast "<name> scheduled to start now · View run" for a few seconds:
@@ -52,8 +61,22 @@ try {
     }),
   ]).catch((e) => log('no run link yet:', e.message.split('\n')[0]));
   if (!onRun.test(page.url())) {
-    const problems = await page.locator('text=/is not of type|is required|invalid|must be/i').allInnerTexts();
-    if (problems.length) log('form problems:', JSON.stringify(problems.slice(0, 10)));
+    await page.screenshot({ path: shot.replace(/\.png$/, '-after-submit.png'), fullPage: true }).catch(() => {});
+    // the form's own messages (fields marked invalid, error toasts), not the field descriptions
+    const invalid = await page.locator('[aria-invalid=true]').evaluateAll(
+      (els) => els.map((e) => e.getAttribute('name') || e.id || e.getAttribute('aria-label') || e.tagName)).catch(() => []);
+    const toasts = await page.locator('[data-sonner-toast]').allInnerTexts().catch(() => []);
+    if (invalid.length) log('fields marked invalid:', JSON.stringify(invalid.slice(0, 10)));
+    if (toasts.length) log('toasts:', JSON.stringify(toasts));
+    // no request left the page (the click landed while the form was still settling): submit once more; a server
+    // error (5xx, e.g. a busy SQLite store on a loaded machine) is retried once as a user would; a 4xx is the answer
+    const refused = creates.find((c) => c.status >= 400 && c.status < 500);
+    if (refused) throw new Error(`the API refused the run: HTTP ${refused.status} ${refused.body}`);
+    if (!creates.some((c) => c.status < 300) && !(await deploymentRuns()).some((r) => !runsBefore.has(r.id))
+        && await submit.isVisible().catch(() => false)) {
+      log(creates.length ? 'server error, submitting again' : 'no request was sent, submitting again');
+      await submit.click();
+    }
     // the form submitted but the UI did not take us to the run (toast gone or missed): find the run the submit
     // created through the API and open its page
     let created = null;
@@ -61,7 +84,7 @@ try {
       created = (await deploymentRuns()).find((r) => !runsBefore.has(r.id)) || null;
       if (!created) await page.waitForTimeout(2000);
     }
-    if (!created) throw new Error('the submit created no flow run of the deployment');
+    if (!created) throw new Error(`the submit created no flow run of the deployment (create_flow_run requests: ${JSON.stringify(creates)})`);
     log('run found through the API', created.id);
     await page.goto(`${base}/v2/runs/flow-run/${created.id}`, { waitUntil: 'domcontentloaded' });
   }
