@@ -459,17 +459,26 @@ class TrainWorker(_Worker):
         mask = sub.completion_mask.float()
         n_local = float(mask.sum())
         n_global = float(batch.completion_mask.sum())
-        tw = torch.full_like(mask, W * n_local / max(n_global, 1.0))
+        scale = W * n_local / max(n_global, 1.0)
+        tw = torch.full_like(mask, scale)
         if tw_user is not None:
             tw = tw * tw_user[rows].to(self.device)
+        routed = None
+        if payload.get("teacher") is not None:  # kd_loss=jsd: this rank's rows of the teachers' scores
+            from ..teachers import RoutedScore
+
+            t = {k: v[rows].to(self.device) for k, v in payload["teacher"].items()}
+            routed = RoutedScore(logp=t["logp"], teacher_index=torch.zeros(len(rows), dtype=torch.long),
+                                 topk_ids=t["topk_ids"], topk_logp=t["topk_logp"])
         from ..runtime import device as devlib
 
         # DDP computes under autocast; FSDP2 already casts the parameters it gathers (MixedPrecisionPolicy)
         amp = devlib.autocast(self.dinfo.kind, "float32" if self.fsdp else self.spec.dtype)
         with amp:
-            upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, None,
+            upd = policy_update(self.ddp, self.opt, self.sched, sub, adv[rows].to(self.device), mask, tw, routed,
                                 self.cfg, temperature, random.Random(f"{seed}/{self.rank}"), self.spec.logprob_impl,
-                                self.spec.max_tokens_per_micro_batch, agree=self._agree, packed=self.spec.packing)
+                                self.spec.max_tokens_per_micro_batch, agree=self._agree, packed=self.spec.packing,
+                                kd_scale=scale)
         # every backward moves the full gradient once (DDP all-reduce; FSDP2 reduce-scatter, plus the forward's
         # parameter all-gathers): the payload per rank, before gloo/nccl's own traffic
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
@@ -637,9 +646,7 @@ class WorkerGroup:
         cfg = self.loop_cfg
         self._cfg = (dict(cfg) if isinstance(cfg, Mapping) else cfg.model_dump()) if cfg is not None else {}
         loop = PolicyLoopConfig(**self._cfg)  # a bad loop config fails here, not inside N actors
-        if loop.kd_loss == "jsd" and loop.w_kd > 0:
-            raise ClusterError("kd_loss=jsd needs teacher top-k inside the update, but the Ray workers take "
-                               "advantages only; use kd_loss=sampled_rkl (distillation as an advantage)")
+        self._needs_teacher_topk = loop.kd_loss == "jsd" and loop.w_kd > 0
         self.pg = None
         self.trainers: list[Any] = []
         self.rollouts: list[Any] = []
@@ -732,14 +739,23 @@ class WorkerGroup:
 
     # -- operations
     def train_step(self, batch, advantages: torch.Tensor, token_weights: torch.Tensor | None = None, *,
-                   temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+                   temperature: float = 1.0, seed: int = 0, routed=None) -> dict[str, float]:
         """One data-parallel update on `batch` (a RolloutBatch; B must split evenly over the ranks so every rank
         runs the same number of backward passes). `advantages` is `[B,T]` or `[B]` (per sequence, broadcast
-        over its completion tokens). Returns the global loss/metrics, `seconds` and `allreduce_bytes`."""
+        over its completion tokens). `routed`: the teachers' `RoutedScore` (ℓᵀ and top-k ids/log-probs) for a
+        `kd_loss: jsd` update, which needs them inside the loss; each rank gets its rows. Returns the global
+        loss/metrics, `seconds` and `allreduce_bytes`."""
         import ray
 
         from ..rollout import RolloutBatch
 
+        kd = None
+        if self._needs_teacher_topk:
+            if routed is None or routed.topk_ids is None or routed.topk_logp is None:
+                raise ClusterError("kd_loss=jsd: train_step needs the teachers' scores with top-k (routed=, from "
+                                   "TeacherRouter.score(..., top_k=jsd_top_k))")
+            # [B,T] + 2×[B,T,k]: what the JSD reads, not the per-teacher copies the metrics use
+            kd = {k: getattr(routed, k).detach().cpu() for k in ("logp", "topk_ids", "topk_logp")}
         self._need_started()
         W, B = self.spec.num_workers, batch.size
         if B < W or B % W:
@@ -754,7 +770,7 @@ class WorkerGroup:
                                f"[B,T]={list(mask.shape)}")
         b = batch.to("cpu")
         bare = RolloutBatch(b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.behaviour_logp)
-        ref = ray.put({"batch": bare, "advantages": adv,
+        ref = ray.put({"batch": bare, "advantages": adv, "teacher": kd,
                        "token_weights": token_weights.detach().cpu() if token_weights is not None else None})
         t0 = time.perf_counter()
         outs = _gather([w.train_step.remote(ref, temperature, seed + self._step) for w in self.trainers],
@@ -772,6 +788,8 @@ class WorkerGroup:
                "perf/pad_frac": sum(o.get("perf/pad_frac", 0.0) for o in outs) / W}
         for k in ("entropy", "clip_frac", "approx_kl", "ratio_mean"):
             res[k] = sum(o.get(k, 0.0) * n for o, n in zip(outs, ntok)) / tot
+        if kd is not None:  # pre-scaled like the loss
+            res["jsd"] = sum(o.get("jsd", 0.0) for o in outs) / W
         return res
 
     def sync_weights(self) -> dict[str, Any]:

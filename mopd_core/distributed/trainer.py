@@ -123,11 +123,12 @@ class RayPolicyTrainer:
                             for x in w]}
 
     def update(self, batch, advantages: torch.Tensor, token_weights: torch.Tensor | None, *, temperature: float,
-               seed: int) -> dict[str, float]:
+               seed: int, routed=None) -> dict[str, float]:
         """One update of the whole batch over the workers; the loop's metric names (+ `dist/*`)."""
-        out = self.group.train_step(batch, advantages, token_weights, temperature=temperature, seed=seed)
+        out = self.group.train_step(batch, advantages, token_weights, temperature=temperature, seed=seed,
+                                    routed=routed)
         m = {k: out[k] for k in ("loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean", "lr",
-                                 "perf/micro_batches", "perf/pad_frac")}
+                                 "perf/micro_batches", "perf/pad_frac", "jsd") if k in out}
         m.update({"dist/workers": float(self.spec.num_workers), "dist/worker_s": out["worker_seconds"],
                   "dist/param_mb_per_rank": out["param_bytes_per_rank"] / 2**20,
                   "dist/optim_mb_per_rank": out["optim_bytes_per_rank"] / 2**20,

@@ -72,8 +72,9 @@ class PolicyTrainer(Protocol):
         """Load `model_dir` (+ a checkpoint's sharded optimizer state) on the workers."""
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, token_weights: torch.Tensor | None, *,
-               temperature: float, seed: int) -> dict[str, float]:
-        """`policy_update` of the whole batch; its metrics (loss, grad_norm, entropy, clip_frac, approx_kl, lr…)."""
+               temperature: float, seed: int, routed: Any = None) -> dict[str, float]:
+        """`policy_update` of the whole batch; its metrics (loss, grad_norm, entropy, clip_frac, approx_kl, lr…,
+        `jsd`). `routed`: the teachers' `RoutedScore` when the loss needs it (`kd_loss: jsd`), else None."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights, whole, on CPU (the driver's rollout engine samples from them)."""
@@ -110,11 +111,6 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
         raise ConfigError(f"{stage}: runtime.dtype=float16 cannot train here (float16 gradients need loss scaling, "
                           "which the RL/MOPD update does not do); use runtime.dtype=bfloat16")
     if rt.strategy != "single":
-        fix = "or set runtime.strategy=single"
-        if has_teachers and loop_cfg.w_kd > 0 and loop_cfg.kd_loss == "jsd":
-            raise ConfigError(f"{stage}: {sec}.kd_loss=jsd needs the teachers' top-k inside the update, which the "
-                              f"runtime.strategy={rt.strategy} workers do not receive; use {sec}.kd_loss=sampled_rkl "
-                              + fix)
         rows = loop_cfg.prompts_per_step * loop_cfg.group_size
         if rows % rt.num_workers:
             raise ConfigError(f"{stage}: {sec}.prompts_per_step × group_size = {rows} rows do not split evenly over "
@@ -293,7 +289,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                                                 packed=recipe.train.packing)
                     else:  # the workers update; this copy follows them (the next rollout samples from it)
                         upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
-                                             seed=rng.getrandbits(31))
+                                             seed=rng.getrandbits(31),
+                                             routed=routed if loop_cfg.kd_loss == "jsd" else None)
                         with torch.no_grad():
                             model.load_state_dict(trainer.state_dict())
                 t_train = time.perf_counter() - t0
@@ -469,7 +466,7 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random, logprob_impl: str = "chunked",
             max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
-            packed: bool = False) -> dict[str, float]:
+            packed: bool = False, kd_scale: float = 1.0) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
     `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
@@ -480,7 +477,8 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     a rank with fewer runs the rest as zero-weight passes over one of its rows. `perf/pad_frac`: the padding
     share of the positions all forwards computed (the zero-weight passes count as computed). `packed`
     (`train.packing`): each micro-batch's rows back to back without padding (`rollout.pack_rows`), the budget
-    counting real tokens."""
+    counting real tokens. `kd_scale` multiplies the JSD term (a Ray worker's `world · n_local / n_global`, the
+    factor its token weights carry for the policy loss, so the ranks' mean is the whole batch's token mean)."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -525,8 +523,8 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
                                                          routed.topk_logp[rows, :t], sub.completion_ids,
                                                          routed.logp[rows, :t])
                 jsd = alg.generalized_jsd(s_sup, t_sup, cfg.jsd_beta, mk)
-                total = total + cfg.w_kd * jsd * share
-                agg["jsd"] += float(jsd.detach()) * share / len(mbs)
+                total = total + cfg.w_kd * jsd * share * kd_scale
+                agg["jsd"] += float(jsd.detach()) * share * kd_scale / len(mbs)
             total.backward()
             with torch.no_grad():
                 agg["entropy"] += 0.0 if idle else float((ent * mk).sum()) / n_mb / len(mbs)

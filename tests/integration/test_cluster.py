@@ -228,8 +228,9 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(ray_cluster, tiny_path):
         ClusterSpec(kind="cuda", transport="collective").validate()
     from mopd_core.config import PolicyLoopConfig
 
-    with pytest.raises(ClusterError, match=r"kd_loss=jsd .* use kd_loss=sampled_rkl"):
-        WorkerGroup(ClusterSpec(), tiny_path, loop_cfg=PolicyLoopConfig(kd_loss="jsd", w_kd=1.0))
+    with pytest.raises(ClusterError, match=r"kd_loss=jsd: train_step needs the teachers' scores with top-k"):
+        WorkerGroup(ClusterSpec(), tiny_path, loop_cfg=PolicyLoopConfig(kd_loss="jsd", w_kd=1.0)).train_step(
+            None, torch.zeros(2))
     with pytest.raises(ClusterError, match=r"model_path .*\(no config\.json\)"):
         WorkerGroup(ClusterSpec(), tiny_path + "-missing")
     assert not ray.util.list_named_actors(all_namespaces=True)

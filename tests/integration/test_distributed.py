@@ -91,17 +91,21 @@ def test_fsdp2_expert_equals_one_process_with_half_the_bytes_per_rank(single_exp
     assert sorted(p.name for p in (ck / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_fsdp2_mopd_equals_one_process(sft_dir, single_expert, tmp_path):
-    """MOPD with a local teacher per domain (the single-process expert for all of them)."""
+@pytest.mark.parametrize("kd_loss", ["sampled_rkl", "jsd"])
+def test_fsdp2_mopd_equals_one_process(sft_dir, single_expert, tmp_path, kd_loss):
+    """MOPD with a local teacher per domain (the single-process expert for all of them): the reverse-KL
+    advantage (computed by the driver), and the JSD loss over the teachers' top-k, which the workers compute
+    inside the update from their rows of the teachers' scores."""
     teachers = {d: single_expert.model_dir for d in ("math", "code", "if", "short")}
     outs = {}
     for name, extra in (("single", []), ("fsdp2", DIST)):
-        cfg = _cfg(tmp_path / name, ["mopd.w_rl=1.0"] + extra)
+        cfg = _cfg(tmp_path / name, ["mopd.w_rl=1.0", f"mopd.kd_loss={kd_loss}", "mopd.jsd_beta=0.5"] + extra)
         outs[name] = R.mopd_stage(cfg, sft_dir, teachers, progress=False)
     ref, got = (_rows(outs[n].stage_dir / "metrics.jsonl") for n in ("single", "fsdp2"))
-    assert len(got) == 3 and ref[-1]["adv/kd_mean"] != 0
+    keys = ("loss", "grad_norm", "adv/kd_mean") if kd_loss == "sampled_rkl" else ("loss", "grad_norm", "jsd")
+    assert len(got) == 3 and ref[-1][keys[-1]] != 0
     for a, b in zip(ref, got):
-        for k in ("loss", "grad_norm", "adv/kd_mean"):
+        for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (b["step"], k)
     assert _worst(_params(outs["single"].model_dir), _params(outs["fsdp2"].model_dir)) < 1e-5
 

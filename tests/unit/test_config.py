@@ -110,7 +110,6 @@ def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["mopd.kd_loss=jsd"], "mopd.kd_loss=jsd needs the teachers' top-k inside the update"),
     (["mopd.prompts_per_step=3", "mopd.group_size=1"], "3 rows do not split evenly over runtime.num_workers=2"),
 ])
 def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, needle):
@@ -122,6 +121,8 @@ def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, ne
         check_loop_config("student", cfg.mopd, cfg, cfg.domain_names(), has_teachers=True)
     assert needle in str(e.value) and "\n" not in str(e.value)
     check_loop_config("student", cfg.mopd, load_config("tiny"), cfg.domain_names(), has_teachers=True)  # single
+    jsd = load_config("tiny", ["runtime.num_workers=2", "runtime.strategy=fsdp2", "mopd.kd_loss=jsd"])
+    check_loop_config("student", jsd.mopd, jsd, jsd.domain_names(), has_teachers=True)  # the workers take the JSD
 
 
 def test_presets_say_how_they_scale():
