@@ -1,0 +1,133 @@
+"""Benchmark: the tiny recipe with `train.logprob_impl: full` and with `chunked`, same machine and seeds.
+
+Issue 10's bar for the chunked log-probs on the tiny workload: every cell of the held-out table within 3 points
+of the `full` run's, and the stages it touches (experts + student: the RL/MOPD updates, local teacher scoring,
+behaviour recompute) not more than 10 % slower. SFT goes through TRL and does not read `train.logprob_impl`
+(its fingerprint leaves the `train` section out), so per seed it is trained once, by the first run, and reused
+by the second: the wall seconds compared are the expert and student stages only.
+
+Each impl is one `benchmarks/tiny_recipe.py` run (its JSON + Markdown under benchmarks/results/ as
+`tiny_recipe_logprob_<impl>.*`) into one fresh folder per invocation, the runs one after another (never at
+once: they would share the cores). Writes `benchmarks/results/logprob_impl_recipe.{json,md}`.
+
+    .venv/bin/python benchmarks/logprob_impl_recipe.py [--seeds 0] [--order full,chunked] [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MAX_CELL_POINTS = 3.0   # |chunked - full| per model × domain, accuracy points
+MAX_SLOWDOWN = 0.10     # chunked RL-stage wall over full's, minus 1
+
+
+def _rl_wall(seed_row: dict) -> float:
+    w = seed_row["wall_s"]
+    return sum(v for k, v in w.items() if k.startswith("expert-") or k == "student")
+
+
+def compare(res: dict[str, dict]) -> dict:
+    """Per seed and cell the accuracy difference, per seed the RL-stage walls; the bar."""
+    full, chunked = res["full"], res["chunked"]
+    per_seed = []
+    for a, b in zip(full["per_seed"], chunked["per_seed"]):
+        assert a["seed"] == b["seed"]
+        cells = {m: {d: 100 * (b["accuracy"][m][d] - a["accuracy"][m][d]) for d in a["domains"]}
+                 for m in a["accuracy"]}
+        wf, wc = _rl_wall(a), _rl_wall(b)
+        per_seed.append({"seed": a["seed"], "cells_points": cells,
+                         "max_abs_points": max(abs(v) for r in cells.values() for v in r.values()),
+                         "rl_wall_s": {"full": wf, "chunked": wc}, "slowdown": wc / wf - 1,
+                         "cpu_s": {"full": a.get("cpu_s"), "chunked": b.get("cpu_s")},
+                         "train_tokens_per_s": {"full": a["tokens_per_s"]["train"],
+                                                "chunked": b["tokens_per_s"]["train"]},
+                         "bar": {"full": a["passed"], "chunked": b["passed"]}})
+    worst = max(s["max_abs_points"] for s in per_seed)
+    slow = [s["slowdown"] for s in per_seed]
+    checks = [{"check": f"every cell within {MAX_CELL_POINTS:g} points", "value": worst,
+               "ok": worst <= MAX_CELL_POINTS + 1e-9},
+              {"check": f"chunked RL stages at most {MAX_SLOWDOWN:.0%} slower (mean over seeds)",
+               "value": statistics.fmean(slow), "ok": statistics.fmean(slow) <= MAX_SLOWDOWN}]
+    return {"per_seed": per_seed, "checks": checks, "passed": all(c["ok"] for c in checks),
+            "slowdown": {"mean": statistics.fmean(slow), "std": statistics.stdev(slow) if len(slow) > 1 else 0.0}}
+
+
+def markdown(cmp: dict, res: dict, order: list[str]) -> str:
+    mach = res["full"]["machine"]
+    domains = res["full"]["per_seed"][0]["domains"]
+    models = list(res["full"]["per_seed"][0]["accuracy"])
+    lines = ["# Tiny recipe: `train.logprob_impl` full vs chunked", "",
+             f"Seeds {', '.join(str(s['seed']) for s in cmp['per_seed'])}; {mach['cpu_model']} ({mach['cpu_count']} "
+             f"cores; torch {mach['torch']} {mach['torch_cpu_capability']}, "
+             f"{'/'.join(map(str, mach['torch_threads']))} thread(s)); runs one after another in the order "
+             f"{' → '.join(order)}, SFT trained by the first and reused by the second; load average "
+             f"{res[order[0]]['load_average_1m']['start']} at the start, {res[order[-1]]['load_average_1m']['end']} "
+             "at the end.", "",
+             "Held-out greedy accuracy (%), full → chunked (difference in points):", "",
+             "| seed | model | " + " | ".join(domains) + " |", "|---:|---|" + "---:|" * len(domains)]
+    for s, a, b in zip(cmp["per_seed"], res["full"]["per_seed"], res["chunked"]["per_seed"]):
+        for m in models:
+            lines.append(f"| {s['seed']} | {m} | " + " | ".join(
+                f"{100 * a['accuracy'][m][d]:.1f} → {100 * b['accuracy'][m][d]:.1f} ({s['cells_points'][m][d]:+.1f})"
+                for d in domains) + " |")
+    lines += ["", "| seed | RL stages wall s, full | chunked | chunked / full | CPU s full | CPU s chunked | "
+              "train tokens/s full | chunked | learning bar full / chunked |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for s in cmp["per_seed"]:
+        tf, tc = s["train_tokens_per_s"]["full"], s["train_tokens_per_s"]["chunked"]
+        lines.append(f"| {s['seed']} | {s['rl_wall_s']['full']:.1f} | {s['rl_wall_s']['chunked']:.1f} | "
+                     f"{1 + s['slowdown']:.3f} | {s['cpu_s']['full']} | {s['cpu_s']['chunked']} | "
+                     f"{tf or 0:.0f} | {tc or 0:.0f} | "
+                     f"{'PASS' if s['bar']['full'] else 'FAIL'} / {'PASS' if s['bar']['chunked'] else 'FAIL'} |")
+    lines += ["", "CPU s are the whole process's (the first run includes SFT). Goals (issue 10):", ""]
+    lines += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['check']}: "
+              + (f"{c['value']:.1f} points" if "cell" in c["check"] else f"{c['value']:+.1%}") for c in cmp["checks"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--order", default="full,chunked", help="which impl runs first (and trains SFT)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--output-dir", default=None, help="default runs/bench-logprob/<time> (fresh per invocation)")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks/results"))
+    args = ap.parse_args(argv)
+    order = [x.strip() for x in args.order.split(",")]
+    if sorted(order) != ["chunked", "full"]:
+        ap.error(f"--order must name full and chunked once each (got {args.order!r})")
+    out_dir = Path(args.output_dir or ROOT / "runs/bench-logprob" / time.strftime("%Y%m%d-%H%M%S"))
+    results = Path(args.results)
+    res = {}
+    for i, impl in enumerate(order):
+        out = results / f"tiny_recipe_logprob_{impl}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks/tiny_recipe.py"), "--seeds", args.seeds, "--output-dir",
+               str(out_dir), "--out", str(out), f"--set=train.logprob_impl={impl}",
+               *[f"--set={o}" for o in args.overrides], *(["--reuse"] if i else [])]
+        print(f"[{impl}] {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd).returncode
+        if not out.exists():
+            print(f"[{impl}] the recipe run wrote no {out} (exit {rc})", file=sys.stderr)
+            return 1
+        res[impl] = json.loads(out.read_text())
+    cmp = compare(res)
+    result = {"order": order, "seeds": res["full"]["seeds"], "overrides": args.overrides,
+              "output_dir": str(out_dir), **cmp, "machine": res["full"]["machine"]}
+    (results / "logprob_impl_recipe.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(cmp, res, order)
+    (results / "logprob_impl_recipe.md").write_text(md + "\n")
+    print(md)
+    return 0 if cmp["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
