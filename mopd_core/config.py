@@ -328,6 +328,10 @@ class TeachersConfig(_Model):
         None, description="Per-domain {domain: {teacher: weight}}; overrides mixture_weights for that domain.")
     temperature: float = Field(1.0, gt=0, description="Teacher softmax temperature when scoring.")
     offload: bool = Field(True, description="Keep teachers in CPU memory except while they score.")
+    placement: Literal["driver", "workers"] = Field(
+        "driver", description="Local teachers: `driver` — in the loop's process, on its device; `workers` — "
+        "with runtime.strategy ddp/fsdp2, one Ray actor per teacher on the training workers' devices (teacher i "
+        "on worker i mod num_workers), asked at the same time. Same scores either way.")
     batch_size: int | None = Field(None, ge=1, description="Sequences per teacher forward; None = all.")
     endpoints: dict[str, str] | None = Field(None, description="http backend: {teacher_id: url}.")
     serve_python: str = Field(".venv-vllm/bin/python", description="http backend, served teachers: python of "
@@ -382,6 +386,11 @@ class TrainConfig(_Model):
         False, description="Recompute each decoder layer's activations in backward (transformers' gradient "
         "checkpointing, non-reentrant) in SFT, expert and MOPD training: activation memory of about one layer "
         "instead of all of them for ~30 % more compute; the gradients are the same (not fingerprinted).")
+    fsdp_cpu_offload: bool = Field(
+        False, description="runtime.strategy=fsdp2: each rank's parameter, gradient and AdamW shards live in host "
+        "memory (torch FSDP2 CPUOffloadPolicy, pinned on GPU/NPU); each unit is gathered to the device for its "
+        "forward/backward and the optimizer steps on the CPU. Device memory drops to the gathered units and the "
+        "activations, for host↔device traffic every step; the same numbers (not fingerprinted).")
 
 
 class PolicyLoopConfig(_Model):

@@ -125,11 +125,18 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
                     "rollout.max_new_tokens = %d): such rows run alone, over the budget — raise it to at least %d",
                     budget, recipe.max_seq_len(), recipe.max_seq_len())
     rt = recipe.runtime
+    if recipe.train.fsdp_cpu_offload and rt.strategy != "fsdp2":
+        raise ConfigError(f"train.fsdp_cpu_offload=true offloads FSDP2 shards, but runtime.strategy={rt.strategy} — "
+                          "set runtime.strategy=fsdp2 (with runtime.num_workers) or train.fsdp_cpu_offload=false")
     if stage in ("recipe", "sft") and rt.strategy != "single" and recipe.sft.batch_size % rt.num_workers:
         raise ConfigError(f"sft.batch_size={recipe.sft.batch_size} does not split over runtime.num_workers="
                           f"{rt.num_workers} (it is the global batch); make it a multiple of {rt.num_workers}")
     if stage == "recipe" or not _is_mopd_free(stage):  # the mopd stage, or a recipe that will reach it
         t = recipe.teachers
+        if t.placement == "workers" and (t.backend != "local" or rt.strategy == "single"):
+            raise ConfigError(f"teachers.placement=workers puts local teachers on the training workers' devices, "
+                              f"but teachers.backend={t.backend} and runtime.strategy={rt.strategy} — set "
+                              "teachers.backend=local and runtime.strategy=ddp or fsdp2, or teachers.placement=driver")
         if t.endpoints and t.backend != "http":
             raise ConfigError(f"teachers.endpoints is set but teachers.backend={t.backend}: the endpoints would be "
                               "ignored — set teachers.backend=http or remove teachers.endpoints")
@@ -251,12 +258,30 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
     b = _DTYPE_BYTES.get(rt.dtype, 4)
     master = _DTYPE_BYTES[devlib.TRAIN_MASTER_DTYPE]
     act = update_activation_bytes(recipe, stage, stu.shape) if stu.shape is not None else 0
+    tb = {k: t.num_params * b for k, t in teachers.items() if t.num_params}
+    on_ranks = recipe.teachers.placement == "workers"
+    if on_ranks:  # teacher i on rank i mod N (distributed.teachers), all of a rank's teachers asked at once
+        per: dict[str, int] = {}
+        for i, k in enumerate(teachers):
+            r = f"teachers on rank {i % rt.num_workers}"
+            per[r] = per.get(r, 0) + tb.get(k, 0)
+        tb = {r: v for r, v in per.items() if v}
     check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
-                        optimizer_factor=2.0, teacher_bytes={k: t.num_params * b for k, t in teachers.items()
-                                                             if t.num_params},
-                        teachers_offload=recipe.teachers.offload, placement=rt.placement,
-                        shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=rt.strategy != "single", activations=act)
+                        optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload,
+                        placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
+                        driver_copy=rt.strategy != "single", activations=act, teachers_on_ranks=on_ranks,
+                        gathered=_gathered_bytes(stu, b) if recipe.train.fsdp_cpu_offload else None)
+
+
+def _gathered_bytes(stu: _Model, dtype_bytes: int) -> int:
+    """FSDP2 with CPU offload: the most a rank gathers on the device at once — the root unit (embeddings and
+    lm_head, untied counted twice; it stays gathered through the forward) plus one decoder layer, in the compute
+    dtype (`distributed.cluster.fully_shard_model`'s units). Without a known shape: the whole model."""
+    if stu.shape is None or not stu.num_params:
+        return (stu.num_params or 0) * dtype_bytes
+    hidden, layers, vocab = stu.shape
+    root = min(2 * vocab * hidden, stu.num_params)
+    return (root + (stu.num_params - root) // max(layers, 1)) * dtype_bytes
 
 
 # ---------------------------------------------------------------- data

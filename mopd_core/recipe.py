@@ -151,7 +151,8 @@ def train_fingerprint_part(recipe: RecipeConfig) -> dict:
     that does not use it keeps the identity (and the finished stages) it had before the field existed."""
     unset = {"max_tokens_per_micro_batch"} if recipe.train.max_tokens_per_micro_batch is None else set()
     unset |= set() if recipe.train.packing else {"packing"}  # likewise: configs without it keep their identity
-    part = recipe.train.model_dump(mode="json", exclude=unset | {"gradient_checkpointing"})  # recompute is exact
+    # recompute and where the shards live are exact: not part of the identity
+    part = recipe.train.model_dump(mode="json", exclude=unset | {"gradient_checkpointing", "fsdp_cpu_offload"})
     return {**part, **precision_fingerprint_part(recipe)}
 
 
@@ -360,13 +361,20 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                            time.perf_counter() - t0, [])
     preflight.check_stage(recipe, stage_name, student=student_init, teachers=teachers, domains=domains,
                           endpoints=endpoints)
-    ts = (open_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints)
+    trainer = policy_trainer(recipe, recipe.mopd, stage_name)
+    local = None
+    if recipe.mopd.w_kd > 0 and recipe.teachers.placement == "workers":  # on the trainers' devices
+        from .distributed.teachers import worker_teachers
+
+        local = worker_teachers(trainer, dict(teachers), recipe.teachers, recipe.runtime.dtype,
+                                recipe.train.logprob_impl)
+    ts = (open_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints, local=local)
           if recipe.mopd.w_kd > 0 else None)
     try:
         res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
                               domains=domains, eval_domains=domains, stage_dir=stage_dir,
                               fingerprint=fp, teachers=ts.router if ts is not None else None, progress=progress,
-                              trainer=policy_trainer(recipe, recipe.mopd, stage_name))
+                              trainer=trainer)
         manifest = ts.manifest() if ts is not None else {}
     finally:
         if ts is not None:

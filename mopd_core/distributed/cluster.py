@@ -85,6 +85,7 @@ class ClusterSpec:
     chat: Any = None                   # data.chat: rollout instances render prompts and stop as the driver does
     logprob_impl: str = "chunked"      # train.logprob_impl inside the trainers' update
     gradient_checkpointing: bool = False  # train.gradient_checkpointing in the trainers
+    cpu_offload: bool = False          # train.fsdp_cpu_offload: FSDP2 shards (and the optimizer step) on the host
     max_tokens_per_micro_batch: int | None = None  # train.max_tokens_per_micro_batch (ranks agree on the count)
     packing: bool = False              # train.packing: micro-batches without padding
 
@@ -234,8 +235,8 @@ def _declare_hint(res: str, q: float) -> str:
     return f"ray.init(resources={{'{res}': {q:g}}}) / `ray start --resources`"
 
 
-def _actor_options(spec: ClusterSpec, pg, bundle: int, name: str) -> dict[str, Any]:
-    """Ray actor options pinning one worker to `bundle` and taking its share of the device."""
+def _actor_options(spec: ClusterSpec, pg, bundle: int, name: str, share: float = _SHARE) -> dict[str, Any]:
+    """Ray actor options pinning one worker to `bundle` and taking `share` of its device."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     res = RESOURCE[spec.kind]
@@ -246,13 +247,13 @@ def _actor_options(spec: ClusterSpec, pg, bundle: int, name: str) -> dict[str, A
         "max_restarts": 0, "name": name,
     }
     if res == "CPU":
-        opts["num_cpus"] = _SHARE
+        opts["num_cpus"] = share
     else:
-        opts["num_cpus"] = spec.cpus_per_bundle * _SHARE
+        opts["num_cpus"] = spec.cpus_per_bundle * share
         if res == "GPU":
-            opts["num_gpus"] = _SHARE
+            opts["num_gpus"] = share
         else:
-            opts["resources"] = {res: _SHARE}
+            opts["resources"] = {res: share}
     return opts
 
 
@@ -287,25 +288,29 @@ def _gather(refs: Sequence[Any], timeout_s: float | None, what: str,
 
 # ------------------------------------------------------------------------------------------------ the actors
 
-def fully_shard_model(model: torch.nn.Module, group, device_type: str, dtype: str = "float32") -> None:
+def fully_shard_model(model: torch.nn.Module, group, device_type: str, dtype: str = "float32",
+                      cpu_offload: bool = False) -> None:
     """FSDP2 as TRL/accelerate apply it to transformers models: one `fully_shard` unit per decoder layer (the
     classes `_no_split_modules` names; the whole model when it names none), then the root, which holds the
     embeddings, the final norm and lm_head, over `group`'s ranks. `dtype` other than float32: parameters are
     gathered in it and gradients reduced in float32 (`MixedPrecisionPolicy`) over float32 master shards. The
     chunked log-probs read lm_head's weight after the root's forward (`models.last_hidden_state` runs the whole
     model under FSDP), where the root keeps it unsharded until backward, so its gradient is reduce-scattered with
-    the rest (tested against one process)."""
+    the rest (tested against one process). `cpu_offload`: torch's `CPUOffloadPolicy` — the shards, their
+    gradients and so the optimizer state stay in host memory (pinned where there is an accelerator: CPU-only
+    torch cannot pin), each unit copied to the device for its forward/backward."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type)
     mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
           if dtype != "float32" else MixedPrecisionPolicy())
+    off = CPUOffloadPolicy(pin_memory=device_type != "cpu") if cpu_offload else OffloadPolicy()
     units = set(getattr(model, "_no_split_modules", None) or ())
     for mod in list(model.modules()):
         if type(mod).__name__ in units:
-            fully_shard(mod, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(mod, mesh=mesh, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
 
 
 def _state_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -416,7 +421,8 @@ class TrainWorker(_Worker):
 
         self._init_dist(addr, port)
         if self.fsdp:
-            fully_shard_model(self.model, self.train_group, self.device.type, self.spec.dtype)
+            fully_shard_model(self.model, self.train_group, self.device.type, self.spec.dtype,
+                              cpu_offload=self.spec.cpu_offload)
             self.ddp = self.model  # FSDP2 changes the module in place: the loop calls it like the plain model
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP

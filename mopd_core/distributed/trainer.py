@@ -81,6 +81,7 @@ def recipe_spec(recipe: RecipeConfig) -> ClusterSpec:
     return ClusterSpec(num_workers=rt.num_workers, kind=devlib.resolve(rt.device).kind, dtype=rt.dtype,
                        num_threads=rt.num_threads or 1, strategy=rt.ray_placement, train_strategy=rt.strategy,
                        rollout=False, logprob_impl=tr.logprob_impl, gradient_checkpointing=tr.gradient_checkpointing,
+                       cpu_offload=tr.fsdp_cpu_offload,
                        max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, packing=tr.packing,
                        pg_timeout_s=rt.ray_timeout_s, dist_timeout_s=rt.ray_timeout_s).validate()
 

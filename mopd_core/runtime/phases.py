@@ -70,7 +70,8 @@ def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, *, dtype
 
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
-                        driver_copy: bool = False, activations: int = 0) -> dict[str, float]:
+                        driver_copy: bool = False, activations: int = 0,
+                        teachers_on_ranks: bool = False, gathered: int | None = None) -> dict[str, float]:
     """Pre-flight (before any compute): the largest phase must fit the budget of one device (one rank). Returns
     the phase needs (MiB).
 
@@ -80,18 +81,23 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     disaggregated, every phase keeps the training state. `teachers.offload: false` keeps every teacher resident
     in every phase. `driver_copy`: the update runs on workers and the sampling process keeps its own whole copy
     of the weights on device 0, beside rank 0's training state. `activations`: one micro-batch's
-    (`activation_bytes`), held during the update."""
+    (`activation_bytes`), held during the update. `teachers_on_ranks` (teachers.placement=workers): `teacher_bytes`
+    is per rank (the teachers placed on it, asked at once, so loaded together) and the ranks keep their training
+    state while they score. `gathered` (train.fsdp_cpu_offload): the shards and the optimizer live on the host, the
+    device holds only the units gathered at once (these bytes, with their gradients) beside the driver's copy."""
     w = student_bytes / MB
-    state = w * (2 + optimizer_factor) / shards + (w if driver_copy else 0.0)
+    on_device = 2 * gathered / MB if gathered is not None else w * (2 + optimizer_factor) / shards
+    state = on_device + (w if driver_copy else 0.0)
     trainer = state + activations / MB
     held = w if placement == "colocated" else state  # what rollout/score hold of the student
     tb = {n: b / MB for n, b in teacher_bytes.items()}
-    always = 0.0 if teachers_offload else sum(tb.values())
+    always = 0.0 if teachers_offload else (max(tb.values(), default=0.0) if teachers_on_ranks else sum(tb.values()))
     need = {"train": trainer + always, "rollout": held + always}
     if tb:
         big = max(tb, key=tb.get)
-        need[f"score ({big})" if teachers_offload else "score (all teachers)"] = held + (tb[big] if teachers_offload
-                                                                                         else always)
+        score_held = state if teachers_on_ranks else held
+        need[f"score ({big})" if teachers_offload or teachers_on_ranks else "score (all teachers)"] = score_held + (
+            tb[big] if teachers_offload or teachers_on_ranks else always)
     budget = device_budget_mb(kind, limit_gib)
     if budget is not None:
         phase = max(need, key=need.get)
@@ -99,7 +105,8 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
             n_t = len(teacher_bytes)
             if phase == "train" and trainer > budget:  # the update alone does not fit: shard it or cut activations
                 act = activations / MB
-                fix = ("shard it: runtime.strategy=fsdp2 with more runtime.num_workers, or a smaller model"
+                fix = ("shard it: runtime.strategy=fsdp2 with more runtime.num_workers (and train.fsdp_cpu_offload="
+                       "true to keep the shards on the host), or a smaller model"
                        if state >= act else "cut the activations: train.gradient_checkpointing=true, a smaller "
                        "train.max_tokens_per_micro_batch (or micro_batch_size)")
                 raise ColocationError(

@@ -139,9 +139,12 @@ class TeacherSet:
     source: Any = None
 
     def manifest(self) -> dict:
-        """What the teachers were at the stage's end (http: url, model, restarts, …; local: nothing)."""
+        """What the teachers were at the stage's end (http: url, model, restarts, …; local on the training
+        workers: where each actor ran; local in-process: nothing)."""
         if self.backend != "http":
-            return {}
+            return {n: {"path": t.path, "placement": "workers",
+                        **{k: t.worker.get(k) for k in ("bundle", "node_id", "device", "pid", "param_bytes")}}
+                    for n, t in self.router.teachers.items() if getattr(t, "worker", None)}
         return manifest_of(self.servers if self.servers is not None else self.source)
 
     def close(self) -> None:
@@ -160,14 +163,16 @@ class TeacherSet:
 
 
 def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student: str | Path,
-                  stage_dir: Path | None = None, endpoints=None) -> TeacherSet:
+                  stage_dir: Path | None = None, endpoints=None, local=None) -> TeacherSet:
     """The teachers of a MOPD stage for the configured backend, every pre-flight check done (routing before any
     server starts or model loads; tokenizers, health and lengths before any compute). Servers are started (under
     `<stage_dir>/teachers`) only for `teachers.backend: http` with neither `endpoints` nor `teachers.endpoints`;
     `TeacherSet.close()` stops them.
 
     `endpoints`: teachers already running — a `serving.TeacherServers` (restarts dead servers) or a manifest
-    (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped."""
+    (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped.
+    `local`: for `teachers.backend: local`, the scorers already built elsewhere (`{name: Teacher}`, e.g. on the
+    training workers: `distributed.teachers`) instead of in-process `LocalTeacher`s."""
     from ..runtime import device as devlib
 
     if endpoints is not None and recipe.teachers.backend != "http":
@@ -182,8 +187,12 @@ def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], stud
     backend = recipe.teachers.backend
     source = endpoints or recipe.teachers.endpoints
     if backend == "local":
-        from . import build_local_router
+        from . import TeacherRouter, build_local_router
 
+        if local is not None:
+            t = recipe.teachers
+            return TeacherSet(TeacherRouter(dict(local), t.routing, t.mixture_kind, t.mixture_weights,
+                                            t.domain_mixture_weights), backend)
         return TeacherSet(build_local_router(dict(teachers), recipe.teachers, dinfo.torch_device,
                                              recipe.runtime.dtype, recipe.train.logprob_impl), backend)
     from ..models import load_tokenizer

@@ -48,7 +48,7 @@ def _batch(path, dev):
     return batch
 
 
-def _update(path, info, batch, shard: bool, dtype: str = "float32"):
+def _update(path, info, batch, shard: bool, dtype: str = "float32", cpu_offload: bool = False):
     import torch.distributed as dist
 
     from mopd_core.algorithms import grpo_advantages
@@ -61,7 +61,7 @@ def _update(path, info, batch, shard: bool, dtype: str = "float32"):
     dev = info.torch_device
     model = load_model(path, dev, "float32").train()
     if shard:
-        fully_shard_model(model, dist.group.WORLD, info.kind, dtype)
+        fully_shard_model(model, dist.group.WORLD, info.kind, dtype, cpu_offload=cpu_offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(0))
     mask = batch.completion_mask.float()
@@ -112,7 +112,13 @@ def test_fsdp2_update_equals_the_unsharded_one_and_bf16_keeps_fp32_masters(world
     assert {p.to_local().dtype for p in bf.parameters()} == {torch.float32}  # master shards
     assert m_bf["loss"] == pytest.approx(m_ref["loss"], rel=0.1, abs=1e-3)
     amp_ref, _, m_amp = _update(path, dev, batch, shard=False, dtype="bfloat16")
+    # train.fsdp_cpu_offload: the shards and AdamW state on the host, the same update, less device memory
+    off, _, m_off = _update(path, dev, batch, shard=True, cpu_offload=True)
+    assert {p.to_local().device.type for p in off.parameters()} == {"cpu"}
+    full_off = _full(off)
+    assert max((full_off[k] - want[k]).abs().max().item() for k in want) < 1e-5
+    assert m_off["peak_mb"] < m_got["peak_mb"]
     record("fsdp2_update", device=world.kind, max_abs_fsdp2_vs_unsharded=worst, loss_fp32=m_ref["loss"],
            loss_fsdp2_bf16=m_bf["loss"], loss_autocast_bf16=m_amp["loss"], peak_mb_unsharded_fp32=m_ref["peak_mb"],
            peak_mb_fsdp2_fp32=m_got["peak_mb"], peak_mb_fsdp2_bf16=m_bf["peak_mb"],
-           peak_mb_autocast_bf16=m_amp["peak_mb"])
+           peak_mb_autocast_bf16=m_amp["peak_mb"], peak_mb_fsdp2_cpu_offload=m_off["peak_mb"])

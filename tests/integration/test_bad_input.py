@@ -456,6 +456,10 @@ def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
      "teachers.endpoints is set but teachers.backend=local: the endpoints would be ignored"),
     (["teachers.backend=http", "mopd.kd_loss=jsd", "mopd.jsd_top_k=32", "teachers.max_logprobs=20"],
      "mopd.jsd_top_k=32 exceeds teachers.max_logprobs=20"),
+    (["teachers.placement=workers"], "teachers.placement=workers puts local teachers on the training workers' "
+     "devices, but teachers.backend=local and runtime.strategy=single — set"),
+    (["train.fsdp_cpu_offload=true"], "train.fsdp_cpu_offload=true offloads FSDP2 shards, but "
+     "runtime.strategy=single — set runtime.strategy=fsdp2"),
 ])
 def test_impossible_combination_fails_before_the_first_stage(tmp_path, extra, needle):
     """Caught when the recipe starts — not after SFT and the experts have trained."""

@@ -91,23 +91,51 @@ def test_fsdp2_expert_equals_one_process_with_half_the_bytes_per_rank(single_exp
     assert sorted(p.name for p in (ck / "optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-@pytest.mark.parametrize("kd_loss", ["sampled_rkl", "jsd"])
-def test_fsdp2_mopd_equals_one_process(sft_dir, single_expert, tmp_path, kd_loss):
+@pytest.mark.parametrize("kd_loss,placement", [("sampled_rkl", "driver"), ("jsd", "workers")])
+def test_fsdp2_mopd_equals_one_process(sft_dir, single_expert, tmp_path, kd_loss, placement):
     """MOPD with a local teacher per domain (the single-process expert for all of them): the reverse-KL
-    advantage (computed by the driver), and the JSD loss over the teachers' top-k, which the workers compute
-    inside the update from their rows of the teachers' scores."""
+    advantage (computed by the driver) with the teachers in the driver; and the JSD loss over the teachers'
+    top-k, which the workers compute inside the update from their rows of the teachers' scores, with the
+    teachers themselves as Ray actors on the workers' bundles (`teachers.placement=workers`)."""
     teachers = {d: single_expert.model_dir for d in ("math", "code", "if", "short")}
     outs = {}
-    for name, extra in (("single", []), ("fsdp2", DIST)):
+    for name, extra in (("single", []), ("fsdp2", DIST + [f"teachers.placement={placement}"])):
         cfg = _cfg(tmp_path / name, ["mopd.w_rl=1.0", f"mopd.kd_loss={kd_loss}", "mopd.jsd_beta=0.5"] + extra)
         outs[name] = R.mopd_stage(cfg, sft_dir, teachers, progress=False)
     ref, got = (_rows(outs[n].stage_dir / "metrics.jsonl") for n in ("single", "fsdp2"))
     keys = ("loss", "grad_norm", "adv/kd_mean") if kd_loss == "sampled_rkl" else ("loss", "grad_norm", "jsd")
     assert len(got) == 3 and ref[-1][keys[-1]] != 0
+    per_teacher = sorted(k for k in ref[-1] if k.startswith("reverse_kl/")
+                         or (k.startswith("teacher/") and k.endswith("/tokens")))
+    assert any(k.startswith("reverse_kl/") for k in per_teacher), sorted(ref[-1])
     for a, b in zip(ref, got):
-        for k in keys:
+        for k in keys + tuple(per_teacher):  # every teacher scored the same rows to the same numbers
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (b["step"], k)
     assert _worst(_params(outs["single"].model_dir), _params(outs["fsdp2"].model_dir)) < 1e-5
+    man = outs["fsdp2"].teachers
+    if placement == "workers":  # teacher i on bundle i mod 2, each in its own actor process (those asked)
+        order = list(teachers)
+        assert len(man) >= 2 and {man[d]["bundle"] for d in man} == {0, 1}, man
+        assert all(man[d]["bundle"] == order.index(d) % 2 for d in man), man
+        assert len({m["pid"] for m in man.values()}) == len(man) and all(m["param_bytes"] > 0 for m in man.values())
+    else:
+        assert man == {}
+
+
+def test_fsdp2_cpu_offload_equals_on_device_shards(sft_dir, fsdp_expert, tmp_path):
+    """train.fsdp_cpu_offload: torch's CPUOffloadPolicy keeps the shards and the optimizer on the host — on
+    CPU the same memory, so this checks the wiring and that the numbers do not move (on a GPU the device check
+    measures the memory it frees)."""
+    cfg = _cfg(tmp_path, DIST + ["train.fsdp_cpu_offload=true"])
+    # not part of the stage identity: a finished stage is reused whichever way its shards lived
+    assert R.expert_fingerprint(cfg, "short", sft_dir) == R.expert_fingerprint(_cfg(tmp_path, DIST), "short",
+                                                                                sft_dir)
+    got = R.expert_stage(cfg, "short", sft_dir, progress=False)
+    ref, rows = _rows(fsdp_expert.stage_dir / "metrics.jsonl"), _rows(got.stage_dir / "metrics.jsonl")
+    for a, b in zip(ref, rows, strict=True):
+        for k in ("loss", "grad_norm", "entropy"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (b["step"], k)
+    assert _worst(_params(fsdp_expert.model_dir), _params(got.model_dir)) < 1e-6
 
 
 def _digest(d: Path) -> dict[str, str]:

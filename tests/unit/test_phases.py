@@ -46,3 +46,31 @@ def test_fsdp2_shards_the_training_state_and_the_error_says_so():
     msg = str(e.value)
     assert "phase 'train' needs 0.391 GiB per device" in msg and "runtime.strategy=fsdp2" in msg
     assert "\n" not in msg
+
+
+def test_teachers_on_the_ranks_are_counted_per_rank_beside_the_training_state():
+    """teachers.placement=workers: each rank's teachers are asked at once (loaded together) while the ranks keep
+    their training state, and the driver holds no teacher."""
+    kw = dict(kind="cpu", student_bytes=100 * MB, optimizer_factor=2.0, placement="colocated", shards=2,
+              driver_copy=True)
+    need = check_colocated_fit(limit_gib=None, teacher_bytes={"teachers on rank 0": 160 * MB,
+                                                             "teachers on rank 1": 80 * MB},
+                               teachers_offload=True, teachers_on_ranks=True, **kw)
+    # state = 4w / 2 shards + the driver's copy = 300; score on rank 0 = state + its two teachers
+    assert need == {"train": 300, "rollout": 100, "score (teachers on rank 0)": 460}
+    resident = check_colocated_fit(limit_gib=None, teacher_bytes={"teachers on rank 0": 160 * MB,
+                                                                 "teachers on rank 1": 80 * MB},
+                                   teachers_offload=False, teachers_on_ranks=True, **kw)
+    assert resident["train"] == 300 + 160  # the heaviest rank's teachers, not all of them
+    with pytest.raises(ColocationError, match=r"phase 'score \(teachers on rank 0\)' needs 0.449 GiB"):
+        check_colocated_fit(limit_gib=400 / 1024, teacher_bytes={"teachers on rank 0": 160 * MB},
+                            teachers_offload=True, teachers_on_ranks=True, **kw)
+
+
+def test_fsdp_cpu_offload_leaves_only_the_gathered_units_on_the_device():
+    """train.fsdp_cpu_offload: shards, gradients and AdamW state on the host; the device holds the units
+    gathered at once and their gradients, beside the driver's copy and the activations."""
+    kw = dict(kind="cpu", student_bytes=100 * MB, optimizer_factor=2.0, teacher_bytes={}, teachers_offload=True,
+              placement="colocated", shards=2, driver_copy=True, activations=10 * MB)
+    assert check_colocated_fit(limit_gib=None, **kw)["train"] == 200 + 100 + 10
+    assert check_colocated_fit(limit_gib=None, gathered=30 * MB, **kw)["train"] == 60 + 100 + 10
