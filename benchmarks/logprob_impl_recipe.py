@@ -10,7 +10,8 @@ Each impl is one `benchmarks/tiny_recipe.py` run (its JSON + Markdown under benc
 `tiny_recipe_logprob_<impl>.*`) into one fresh folder per invocation, the runs one after another (never at
 once: they would share the cores). Writes `benchmarks/results/logprob_impl_recipe.{json,md}`.
 
-    .venv/bin/python benchmarks/logprob_impl_recipe.py [--seeds 0] [--order full,chunked] [--set k=v ...]
+    .venv/bin/python benchmarks/logprob_impl_recipe.py [--seeds 0] [--jobs N] [--order full,chunked]
+        [--noise-floor] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ def _rows(p: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
 
 
-def divergence(out_dir: Path, seed: int, order: list[str]) -> dict[str, dict]:
+def divergence(out_dir: Path, seed: int, order: list[str], against: str = "newest") -> dict[str, dict]:
     """Per RL stage, where the two runs' trajectories part: the first run's folder was set aside by the second
     (`<stage>@<fingerprint>`). The relative loss difference at step 1 (the same weights and rollouts, only the
     log-prob arithmetic differs) and the first step where it exceeds 1e-3 (from then on the runs sample
-    different tokens and are two trajectories)."""
+    different tokens and are two trajectories). `against`: which set-aside folder the live one is compared with
+    when there are several (`oldest`: the first run's)."""
     out = {}
     for second in sorted((out_dir / f"seed{seed}").glob("*/*/metrics.jsonl")):
         stage = second.parent.name
@@ -52,12 +54,18 @@ def divergence(out_dir: Path, seed: int, order: list[str]) -> dict[str, dict]:
         firsts = sorted(second.parent.parent.glob(f"{stage}@*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
         if not firsts:
             continue
-        a, b = _rows(firsts[-1]), _rows(second)
+        first = firsts[-1] if against == "newest" else firsts[0]
+        a, b = _rows(first), _rows(second)
         rel = [abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(a, b)]
         part = next((i + 1 for i, r in enumerate(rel) if r > 1e-3), None)
         out[stage] = {"steps": len(rel), "step1_rel_loss_diff": rel[0] if rel else None, "parts_at_step": part,
-                      "runs": {order[0]: str(firsts[-1].parent), order[1]: str(second.parent)}}
+                      "runs": {order[0]: str(first.parent), order[1]: str(second.parent)}}
     return out
+
+
+def cell_diffs(a: dict, b: dict) -> dict:
+    """b − a per model × domain of one seed, accuracy points."""
+    return {m: {d: 100 * (b["accuracy"][m][d] - a["accuracy"][m][d]) for d in a["domains"]} for m in a["accuracy"]}
 
 
 def compare(res: dict[str, dict], out_dir: Path | None = None, order: list[str] | None = None) -> dict:
@@ -66,8 +74,7 @@ def compare(res: dict[str, dict], out_dir: Path | None = None, order: list[str] 
     per_seed = []
     for a, b in zip(full["per_seed"], chunked["per_seed"]):
         assert a["seed"] == b["seed"]
-        cells = {m: {d: 100 * (b["accuracy"][m][d] - a["accuracy"][m][d]) for d in a["domains"]}
-                 for m in a["accuracy"]}
+        cells = cell_diffs(a, b)
         wf, wc = _rl_wall(a), _rl_wall(b)
         per_seed.append({"seed": a["seed"], "cells_points": cells,
                          "max_abs_points": max(abs(v) for r in cells.values() for v in r.values()),
@@ -131,6 +138,22 @@ def markdown(cmp: dict, res: dict, order: list[str]) -> str:
         for st, d in s["divergence"].items():
             lines.append(f"| {s['seed']} | {st} | {d['steps']} | {d['step1_rel_loss_diff']:.1e} | "
                          f"{d['parts_at_step'] or 'never'} |")
+    fl = cmp.get("noise_floor")
+    if fl:
+        lines += ["", f"Noise floor: `full` once more with `{fl['override']}` — the same token-mean loss summed in "
+                  "another order, no other change — against the first `full` run (points):", "",
+                  "| seed | model | " + " | ".join(domains) + " |", "|---:|---|" + "---:|" * len(domains)]
+        for s in fl["per_seed"]:
+            for m in models:
+                lines.append(f"| {s['seed']} | {m} | "
+                             + " | ".join(f"{s['cells_points'][m][d]:+.1f}" for d in domains) + " |")
+        lines += ["", "| seed | stage | step-1 rel. loss diff | parts at step |", "|---:|---|---:|---:|"]
+        for s in fl["per_seed"]:
+            for st, d in s["divergence"].items():
+                lines.append(f"| {s['seed']} | {st} | {d['step1_rel_loss_diff']:.1e} | "
+                             f"{d['parts_at_step'] or 'never'} |")
+        lines += ["", f"Largest cell difference: full vs chunked {cmp['checks'][0]['value']:.1f} points, full vs full "
+                  f"(another summation order) {fl['worst']:.1f} points."]
     lines += ["", "CPU s are the whole process's (the first run includes SFT). Goals (issue 10):", ""]
     lines += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['check']}: "
               + (f"{c['value']:.1f} points" if "cell" in c["check"] else f"{c['value']:+.1%}") for c in cmp["checks"]]
@@ -140,21 +163,28 @@ def markdown(cmp: dict, res: dict, order: list[str]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds at once within each run (tiny_recipe.py --jobs; "
+                    "fair on 2 cores with --set runtime.num_threads=1)")
     ap.add_argument("--order", default="full,chunked", help="which impl runs first (and trains SFT)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--output-dir", default=None, help="default runs/bench-logprob/<time> (fresh per invocation)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks/results"))
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="a third run, full with another micro-batch split (summation order only), against the "
+                         "first: how far two runs that differ only in float rounding drift apart")
     args = ap.parse_args(argv)
     order = [x.strip() for x in args.order.split(",")]
     if sorted(order) != ["chunked", "full"]:
         ap.error(f"--order must name full and chunked once each (got {args.order!r})")
+    if args.noise_floor and order[0] != "full":
+        ap.error("--noise-floor compares against the first run: use --order full,chunked")
     out_dir = Path(args.output_dir or ROOT / "runs/bench-logprob" / time.strftime("%Y%m%d-%H%M%S"))
     results = Path(args.results)
     res = {}
     for i, impl in enumerate(order):
         out = results / f"tiny_recipe_logprob_{impl}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks/tiny_recipe.py"), "--seeds", args.seeds, "--output-dir",
-               str(out_dir), "--out", str(out), f"--set=train.logprob_impl={impl}",
+               str(out_dir), "--out", str(out), "--jobs", str(args.jobs), f"--set=train.logprob_impl={impl}",
                *[f"--set={o}" for o in args.overrides], *(["--reuse"] if i else [])]
         print(f"[{impl}] {' '.join(cmd)}", flush=True)
         rc = subprocess.run(cmd).returncode
@@ -162,7 +192,29 @@ def main(argv=None) -> int:
             print(f"[{impl}] the recipe run wrote no {out} (exit {rc})", file=sys.stderr)
             return 1
         res[impl] = json.loads(out.read_text())
-    cmp = compare(res, out_dir, order)
+    cmp = compare(res, out_dir, order)  # before a third run sets the second's folders aside
+    if args.noise_floor:
+        from mopd_core.config import load_config
+
+        budget = load_config("tiny", args.overrides).train.max_tokens_per_micro_batch or 1024
+        override = f"train.max_tokens_per_micro_batch={2 * budget}"
+        out = results / "tiny_recipe_logprob_floor.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks/tiny_recipe.py"), "--seeds", args.seeds, "--output-dir",
+               str(out_dir), "--out", str(out), "--jobs", str(args.jobs), "--set=train.logprob_impl=full",
+               f"--set={override}",
+               *[f"--set={o}" for o in args.overrides], "--reuse"]
+        print(f"[noise floor] {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd)
+        if not out.exists():
+            print(f"[noise floor] the recipe run wrote no {out}", file=sys.stderr)
+            return 1
+        floor = json.loads(out.read_text())
+        rows = [{"seed": a["seed"], "cells_points": cell_diffs(a, b),
+                 "divergence": divergence(out_dir, a["seed"], ["full", "full (floor)"], against="oldest")}
+                for a, b in zip(res["full"]["per_seed"], floor["per_seed"])]
+        cmp["noise_floor"] = {"override": override, "per_seed": rows,
+                              "worst": max(abs(v) for r in rows for c in r["cells_points"].values()
+                                           for v in c.values())}
     result = {"order": order, "seeds": res["full"]["seeds"], "overrides": args.overrides,
               "output_dir": str(out_dir), **cmp, "machine": res["full"]["machine"]}
     (results / "logprob_impl_recipe.json").write_text(json.dumps(result, indent=2) + "\n")
