@@ -447,6 +447,68 @@ def test_policy_loss_empty_mask_and_garbage():
     assert torch.equal(logp.grad, torch.zeros(2, 3))
 
 
+def _ref_decoupled(logp, prox, beh, adv, mask, lo, hi, cap, mode):
+    """Decoupled PPO in python floats: ratio to the proximal policy, importance weight proximal/behaviour
+    truncated (or zeroed) above the cap."""
+    total, n = 0.0, 0
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            if not mask[i, j]:
+                continue
+            a = adv[i, j].item()
+            r = math.exp(logp[i, j].item() - prox[i, j].item())
+            u = math.exp(prox[i, j].item() - beh[i, j].item())
+            if cap is not None and u > cap:
+                u = cap if mode == "truncate" else 0.0
+            total += -u * min(r * a, min(max(r, 1 - lo), 1 + hi) * a)
+            n += 1
+    return total / n
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_decoupled_policy_loss_matches_float64_reference(mode):
+    """Decoupled PPO against python floats (value and gradient), the cap counted; proximal = behaviour is the
+    standard loss exactly."""
+    gen = torch.Generator().manual_seed(11)
+    b, t = 4, 7
+    beh = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
+    prox = beh + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.5  # stale samples: μ ≠ π_prox
+    logp = (prox + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.2).requires_grad_(True)
+    adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    mask = _mask(gen, b, t)
+    cap = 1.3
+    loss, m = policy_loss(logp, beh, adv, mask, 0.2, 0.28, proximal_logp=prox, is_cap=cap, is_mode=mode)
+    ref = _ref_decoupled(logp.detach(), prox, beh, adv, mask, 0.2, 0.28, cap, mode)
+    assert loss.item() == pytest.approx(ref, rel=1e-12, abs=1e-14)
+    u = torch.exp(prox - beh)[mask]
+    assert m["is_capped_frac"] == pytest.approx(float((u > cap).double().mean())) and 0 < m["is_capped_frac"] < 1
+    capped = torch.where(u > cap, torch.tensor(cap if mode == "truncate" else 0.0, dtype=u.dtype), u)
+    assert m["is_weight_mean"] == pytest.approx(float(capped.mean()))
+    assert m["behaviour_kl"] == pytest.approx(float((u - 1 - u.log()).mean())) and m["behaviour_kl"] > 0
+    loss.backward()
+    # gradient against finite differences of the reference
+    g, eps = logp.grad, 1e-6
+    for i, j in [(0, 0), (1, 3), (2, 5), (3, 6)]:
+        if not mask[i, j]:
+            assert g[i, j] == 0
+            continue
+        hi_lp, lo_lp = logp.detach().clone(), logp.detach().clone()
+        hi_lp[i, j] += eps
+        lo_lp[i, j] -= eps
+        fd = (_ref_decoupled(hi_lp, prox, beh, adv, mask, 0.2, 0.28, cap, mode)
+              - _ref_decoupled(lo_lp, prox, beh, adv, mask, 0.2, 0.28, cap, mode)) / (2 * eps)
+        assert g[i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
+    # no staleness: the decoupled loss is the standard one (weights 1, ratio to the same policy)
+    lp = logp.detach().requires_grad_(True)
+    same, ms = policy_loss(lp, beh, adv, mask, 0.2, 0.28, proximal_logp=beh, is_cap=cap, is_mode=mode)
+    std, _ = policy_loss(lp, beh, adv, mask, 0.2, 0.28)
+    assert same.item() == std.item() and ms["is_weight_mean"] == 1.0 and ms["is_capped_frac"] == 0.0
+    with pytest.raises(ValueError, match="is_mode must be 'truncate' or 'mask'"):
+        policy_loss(lp, beh, adv, mask, proximal_logp=prox, is_mode="clip")
+    with pytest.raises(ValueError, match="is_cap must be > 0"):
+        policy_loss(lp, beh, adv, mask, proximal_logp=prox, is_cap=0.0)
+
+
 # ------------------------------------------------------------------------------------------------- balancing
 
 
