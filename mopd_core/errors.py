@@ -27,6 +27,7 @@ library is a bug until shown otherwise).
     InfraError                              retried by Prefect, traceback at the CLI
       TeacherUnavailable  teachers.http.TeacherUnavailable  server died/hung/5xx after retries and restarts
       WorkerLostError                                  a Ray worker died or never answered
+      PipelineStalledError  runtime.staleness.PipelineStalledError  async: no samples within the timeout
       TrackingUnavailable                              the MLflow tracking store cannot be reached
     (neither: programming errors, kept as ValueError/RuntimeError — weights.buckets.BucketError,
      weights.plan.TransferPlanError, weights.transports.TransportError: their inputs come from our own code)
