@@ -25,6 +25,7 @@ median `perf/step_s` — the part of the model a synchronous run can validate.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -86,7 +87,7 @@ def simulate(c: Costs, *, mode: str = "async", k: int = 1, servers: int = 1, tea
                 score_free = max(gen_free, score_free) + s  # scored as soon as generated, one chunk at a time
                 busy_gen, busy_score = busy_gen + g, busy_score + s
                 ready = max(ready, score_free)
-                version = max(v for v, t in enumerate(published) if t <= start)
+                version = bisect.bisect_right(published, start) - 1  # newest version published by `start`
                 worst = max(worst, b - version)
         start_t = max(ready, train_end)
         train_start.append(start_t)

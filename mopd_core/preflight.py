@@ -48,14 +48,6 @@ class _Model:
     shape: tuple[int, int, int] | None = None  # hidden size, decoder layers, vocabulary: the activation estimate
 
 
-def _shape_of(config: dict) -> tuple[int, int, int] | None:
-    cfg = config.get("text_config") or config
-    try:
-        return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
                 teachers: Mapping[str, str | Path] | None = None, models: Mapping[str, str | Path] | None = None,
                 domains: Mapping[str, Any] | None = None, endpoints: Any = None,
@@ -156,13 +148,13 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
 
 
 def _inspect(recipe: RecipeConfig, label: str, path: str | Path | None) -> _Model:
-    from .models import inspect_checkpoint
+    from .models import inspect_checkpoint, model_shape
 
     if path is None or not str(path).strip():
         raise ConfigError(f"{label}: no model given — pass a checkpoint dir")
     info = inspect_checkpoint(path, label)
     if info is not None:
-        return _Model(label, str(path), info.context, info.num_params, shape=_shape_of(info.config))
+        return _Model(label, str(path), info.context, info.num_params, shape=model_shape(info.config))
     context, n, shape = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: what its config says
     return _Model(label, str(path), context, n, shape=shape)
 
@@ -193,13 +185,13 @@ def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int 
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .models import model_context
+        from .models import model_context, model_shape
 
         cfg = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(
                 cfg, trust_remote_code=trust_remote_code).parameters())
-        return model_context(cfg.to_dict()), n, _shape_of(cfg.to_dict())
+        return model_context(cfg.to_dict()), n, model_shape(cfg.to_dict())
     except Exception:  # noqa: BLE001 - not resolvable now: the stage's own load reports it
         return None, None, None
 
@@ -252,7 +244,7 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
     checkpointing, chunked log-probs), teachers in the compute dtype. A ColocationError before any folder or
     model exists."""
     from .runtime import device as devlib
-    from .runtime.phases import check_colocated_fit
+    from .runtime.phases import check_colocated_fit, fsdp_gathered_bytes
 
     rt = recipe.runtime
     b = _DTYPE_BYTES.get(rt.dtype, 4)
@@ -260,28 +252,20 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
     act = update_activation_bytes(recipe, stage, stu.shape) if stu.shape is not None else 0
     tb = {k: t.num_params * b for k, t in teachers.items() if t.num_params}
     on_ranks = recipe.teachers.placement == "workers"
-    if on_ranks:  # teacher i on rank i mod N (distributed.teachers), all of a rank's teachers asked at once
+    if on_ranks:  # all of a rank's teachers are asked at once
+        from .distributed.teachers import teacher_bundle
+
         per: dict[str, int] = {}
         for i, k in enumerate(teachers):
-            r = f"teachers on rank {i % rt.num_workers}"
+            r = f"teachers on rank {teacher_bundle(i, rt.num_workers)}"
             per[r] = per.get(r, 0) + tb.get(k, 0)
         tb = {r: v for r, v in per.items() if v}
     check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
                         optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
                         driver_copy=rt.strategy != "single", activations=act, teachers_on_ranks=on_ranks,
-                        gathered=_gathered_bytes(stu, b) if recipe.train.fsdp_cpu_offload else None)
-
-
-def _gathered_bytes(stu: _Model, dtype_bytes: int) -> int:
-    """FSDP2 with CPU offload: the most a rank gathers on the device at once — the root unit (embeddings and
-    lm_head, untied counted twice; it stays gathered through the forward) plus one decoder layer, in the compute
-    dtype (`distributed.cluster.fully_shard_model`'s units). Without a known shape: the whole model."""
-    if stu.shape is None or not stu.num_params:
-        return (stu.num_params or 0) * dtype_bytes
-    hidden, layers, vocab = stu.shape
-    root = min(2 * vocab * hidden, stu.num_params)
-    return (root + (stu.num_params - root) // max(layers, 1)) * dtype_bytes
+                        gathered=(fsdp_gathered_bytes(stu.num_params, stu.shape, b)
+                                  if recipe.train.fsdp_cpu_offload else None))
 
 
 # ---------------------------------------------------------------- data

@@ -437,7 +437,17 @@ class TrainWorker(_Worker):
             self._load_optimizer(resume)
         if scheduler_state:
             self.sched.load_state_dict(dict(scheduler_state))
-        return {**self.info(), **self.shard_bytes()}
+        return {**self.info(), **self.shard_bytes(), "cpu_offload": self._offloaded()}
+
+    def _offloaded(self) -> bool:
+        """Whether torch FSDP2 applied a CPU offload policy to this rank's shards (what it did, not what was
+        asked: the report a run's stage.json keeps)."""
+        if not self.fsdp:
+            return False
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        group = getattr(self.model._get_fsdp_state(), "_fsdp_param_group", None)
+        return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of the student's parameters and of the optimizer state (FSDP2: its shards)."""
@@ -753,8 +763,6 @@ class WorkerGroup:
         loss/metrics, `seconds` and `allreduce_bytes`."""
         import ray
 
-        from ..rollout import RolloutBatch
-
         kd = None
         if self._needs_teacher_topk:
             if routed is None or routed.topk_ids is None or routed.topk_logp is None:
@@ -774,9 +782,7 @@ class WorkerGroup:
         if adv.shape != mask.shape:
             raise ClusterError(f"advantages of shape {tuple(advantages.shape)} match neither [B]=[{B}] nor "
                                f"[B,T]={list(mask.shape)}")
-        b = batch.to("cpu")
-        bare = RolloutBatch(b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.behaviour_logp)
-        ref = ray.put({"batch": bare, "advantages": adv, "teacher": kd,
+        ref = ray.put({"batch": batch.tensors("cpu"), "advantages": adv, "teacher": kd,
                        "token_weights": token_weights.detach().cpu() if token_weights is not None else None})
         t0 = time.perf_counter()
         outs = _gather([w.train_step.remote(ref, temperature, seed + self._step) for w in self.trainers],

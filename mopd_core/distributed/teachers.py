@@ -31,6 +31,12 @@ def _to(t, device):
     return t.to(device) if t is not None else None
 
 
+def teacher_bundle(index: int, num_workers: int) -> int:
+    """The trainers' bundle (= rank) teacher `index` is placed on: round-robin. The memory pre-flight counts
+    each rank's teachers by the same rule."""
+    return index % num_workers
+
+
 class TeacherWorker(_Worker):
     """One local teacher in its own actor on a trainer's bundle (no part in the trainers' torch.distributed
     world: it only scores)."""
@@ -80,7 +86,7 @@ class RayTeacher(Teacher):
             raise ClusterError(f"teacher '{self.name}' (teachers.placement=workers): the training workers are not "
                                "running — teachers on workers score only while the stage's trainers run")
         spec: ClusterSpec = group.spec
-        bundle = self.index % spec.num_workers
+        bundle = teacher_bundle(self.index, spec.num_workers)
         # the bundle's other half, split between the teachers placed on it
         share = _SHARE / math.ceil(self.count / spec.num_workers)
         opts = _actor_options(spec, group.pg, bundle, self.actor_name, share=share)
@@ -93,10 +99,7 @@ class RayTeacher(Teacher):
         if self.actor is None:
             self._start()
         dev = batch.completion_ids.device
-        bare = batch.to("cpu")
-        bare = RolloutBatch(bare.prompt_ids, bare.prompt_mask, bare.completion_ids, bare.completion_mask,
-                            bare.behaviour_logp)  # what scoring reads; not the examples' Python objects
-        s = _gather([self.actor.score.remote(bare, top_k)], self.host.group.spec.dist_timeout_s,
+        s = _gather([self.actor.score.remote(batch.tensors("cpu"), top_k)], self.host.group.spec.dist_timeout_s,
                     f"teacher '{self.name}' scoring", [self.actor_name])[0]
         self.stats["seconds"] += time.perf_counter() - t0
         self.stats["tokens"] += int(batch.completion_mask.sum())

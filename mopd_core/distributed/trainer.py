@@ -120,7 +120,8 @@ class RayPolicyTrainer:
         d = self.group.describe()
         return {"strategy": self.spec.train_strategy, "num_workers": self.spec.num_workers,
                 "placement_group": d["placement_group"],
-                "workers": [{k: x.get(k) for k in ("rank", "pid", "node_id", "device", "backend", "param_bytes")}
+                "workers": [{k: x.get(k) for k in ("rank", "pid", "node_id", "device", "backend", "param_bytes",
+                                                "cpu_offload")}
                             for x in w]}
 
     def update(self, batch, advantages: torch.Tensor, token_weights: torch.Tensor | None, *, temperature: float,

@@ -313,6 +313,16 @@ def is_local_path(path_or_id: str | Path) -> bool:
     return Path(s).exists() or s.startswith(("/", ".", "~")) or s.count("/") > 1 or "\\" in s
 
 
+def model_shape(config: dict) -> tuple[int, int, int] | None:
+    """(hidden size, decoder layers, vocabulary) of a config dict (the text model's for a multimodal one): what
+    the memory estimates need; None when the config does not say."""
+    cfg = config.get("text_config") or config
+    try:
+        return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def model_context(config: dict) -> int | None:
     cfg = config.get("text_config") or config
     for k in _CONTEXT_KEYS:

@@ -58,6 +58,13 @@ class RolloutBatch:
                             self.completion_ids.to(device), self.completion_mask.to(device),
                             self.behaviour_logp.to(device), self.examples, self.texts)
 
+    def tensors(self, device="cpu") -> "RolloutBatch":
+        """The tensors only, on `device`: what crosses a process boundary (to a Ray worker) — scoring and the
+        update read nothing else, and the examples' Python objects would be pickled for nothing."""
+        return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device),
+                            self.completion_ids.to(device), self.completion_mask.to(device),
+                            self.behaviour_logp.to(device))
+
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (a left-padded row must see the same positions as an unpadded one)."""

@@ -68,6 +68,18 @@ def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, *, dtype
     return tokens * (layers_b + head)
 
 
+def fsdp_gathered_bytes(num_params: int, shape: tuple[int, int, int] | None, dtype_bytes: int) -> int:
+    """FSDP2 with CPU offload: the most a rank gathers on the device at once — the root unit (embeddings and
+    lm_head, untied counted twice; it stays gathered through the forward) plus one decoder layer, in the compute
+    dtype (`distributed.cluster.fully_shard_model`'s units). `shape` = (hidden, layers, vocabulary); without
+    it: the whole model."""
+    if shape is None or not num_params:
+        return (num_params or 0) * dtype_bytes
+    hidden, layers, vocab = shape
+    root = min(2 * vocab * hidden, num_params)
+    return (root + (num_params - root) // max(layers, 1)) * dtype_bytes
+
+
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
                         driver_copy: bool = False, activations: int = 0,
@@ -95,9 +107,9 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     need = {"train": trainer + always, "rollout": held + always}
     if tb:
         big = max(tb, key=tb.get)
-        score_held = state if teachers_on_ranks else held
-        need[f"score ({big})" if teachers_offload or teachers_on_ranks else "score (all teachers)"] = score_held + (
-            tb[big] if teachers_offload or teachers_on_ranks else always)
+        one = teachers_offload or teachers_on_ranks  # one entry of `tb` scores at a time (per rank)
+        need[f"score ({big})" if one else "score (all teachers)"] = ((state if teachers_on_ranks else held)
+                                                                     + (tb[big] if one else always))
     budget = device_budget_mb(kind, limit_gib)
     if budget is not None:
         phase = max(need, key=need.get)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InfraError
@@ -38,7 +38,6 @@ class Stamped:
     version: int          # the weight version that generated it
     producer: str         # which producer put it (for errors and metrics)
     size: int = 1         # samples it holds (a group: group_size)
-    t_put: float = field(default_factory=time.monotonic)
 
 
 class StalenessQueue:

@@ -30,12 +30,12 @@ from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
 from ..domains.base import domain_rewards
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, truncated_flags
-from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
+from ..models import load_model, load_tokenizer, model_shape, save_pretrained, tokenizer_fingerprint, unwrap
 from ..models.chat import carry_chat_template
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
-from ..runtime.phases import PhaseScheduler, check_colocated_fit
+from ..runtime.phases import PhaseScheduler, check_colocated_fit, fsdp_gathered_bytes
 from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
                          read_stage, save_checkpoint, write_stage)
 from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
@@ -203,11 +203,15 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
                   if t.in_process}
     rt = recipe.runtime
+    n_params = sum(p.numel() for p in model.parameters())
+    # the same rule as the pre-flight's: with FSDP2 CPU offload only the gathered units are on the device
+    gathered = (fsdp_gathered_bytes(n_params, model_shape(unwrap(model).config.to_dict()),
+                                    getattr(torch, rt.dtype).itemsize) if recipe.train.fsdp_cpu_offload else None)
     check_colocated_fit(kind=dinfo.kind, limit_gib=rt.memory_limit_gib,
                         student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                         optimizer_factor=2.0, teacher_bytes=in_process, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=trainer is not None)
+                        driver_copy=trainer is not None, gathered=gathered)
     try:
         if trainer is not None:
             desc = trainer.start(ckpts[-1] / "model" if ckpts else init_path,

@@ -131,6 +131,11 @@ def test_fsdp2_cpu_offload_equals_on_device_shards(sft_dir, fsdp_expert, tmp_pat
     assert R.expert_fingerprint(cfg, "short", sft_dir) == R.expert_fingerprint(_cfg(tmp_path, DIST), "short",
                                                                                 sft_dir)
     got = R.expert_stage(cfg, "short", sft_dir, progress=False)
+    from mopd_core.train.checkpoint import read_stage
+
+    # what torch FSDP2 applied on each rank (its param group's policy), not what was asked
+    assert [w["cpu_offload"] for w in read_stage(got.stage_dir)["distributed"]["workers"]] == [True, True]
+    assert [w["cpu_offload"] for w in read_stage(fsdp_expert.stage_dir)["distributed"]["workers"]] == [False, False]
     ref, rows = _rows(fsdp_expert.stage_dir / "metrics.jsonl"), _rows(got.stage_dir / "metrics.jsonl")
     for a, b in zip(ref, rows, strict=True):
         for k in ("loss", "grad_norm", "entropy"):

@@ -364,7 +364,9 @@ def test_topk_support_without_sampled_and_full_mass():
 # ------------------------------------------------------------------------------------------------ policy loss
 
 
-def _ref_policy_loss(logp, old, adv, mask, lo, hi, w=None):
+def _ref_policy_loss(logp, old, adv, mask, lo, hi, w=None, beh=None, cap=None, mode="truncate"):
+    """PPO-clip in python floats, ratio to `old`; with `beh` (decoupled PPO) each token also weighs
+    u = exp(old − beh), truncated to `cap` (or zeroed above it, mode="mask"). Returns (loss, clip fraction)."""
     total, n, clipped = 0.0, 0, 0
     for i in range(logp.shape[0]):
         for j in range(logp.shape[1]):
@@ -374,8 +376,10 @@ def _ref_policy_loss(logp, old, adv, mask, lo, hi, w=None):
             r = math.exp(logp[i, j].item() - old[i, j].item())
             unc = r * a
             clp = min(max(r, 1 - lo), 1 + hi) * a
-            term = -min(unc, clp)
-            total += term * (1.0 if w is None else w[i, j].item())
+            u = 1.0 if beh is None else math.exp(old[i, j].item() - beh[i, j].item())
+            if cap is not None and u > cap:
+                u = cap if mode == "truncate" else 0.0
+            total += -min(unc, clp) * u * (1.0 if w is None else w[i, j].item())
             n += 1
             clipped += clp < unc
     return total / n, clipped / n
@@ -447,24 +451,6 @@ def test_policy_loss_empty_mask_and_garbage():
     assert torch.equal(logp.grad, torch.zeros(2, 3))
 
 
-def _ref_decoupled(logp, prox, beh, adv, mask, lo, hi, cap, mode):
-    """Decoupled PPO in python floats: ratio to the proximal policy, importance weight proximal/behaviour
-    truncated (or zeroed) above the cap."""
-    total, n = 0.0, 0
-    for i in range(logp.shape[0]):
-        for j in range(logp.shape[1]):
-            if not mask[i, j]:
-                continue
-            a = adv[i, j].item()
-            r = math.exp(logp[i, j].item() - prox[i, j].item())
-            u = math.exp(prox[i, j].item() - beh[i, j].item())
-            if cap is not None and u > cap:
-                u = cap if mode == "truncate" else 0.0
-            total += -u * min(r * a, min(max(r, 1 - lo), 1 + hi) * a)
-            n += 1
-    return total / n
-
-
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_decoupled_policy_loss_matches_float64_reference(mode):
     """Decoupled PPO against python floats (value and gradient), the cap counted; proximal = behaviour is the
@@ -478,7 +464,7 @@ def test_decoupled_policy_loss_matches_float64_reference(mode):
     mask = _mask(gen, b, t)
     cap = 1.3
     loss, m = policy_loss(logp, beh, adv, mask, 0.2, 0.28, proximal_logp=prox, is_cap=cap, is_mode=mode)
-    ref = _ref_decoupled(logp.detach(), prox, beh, adv, mask, 0.2, 0.28, cap, mode)
+    ref, _ = _ref_policy_loss(logp.detach(), prox, adv, mask, 0.2, 0.28, beh=beh, cap=cap, mode=mode)
     assert loss.item() == pytest.approx(ref, rel=1e-12, abs=1e-14)
     u = torch.exp(prox - beh)[mask]
     assert m["is_capped_frac"] == pytest.approx(float((u > cap).double().mean())) and 0 < m["is_capped_frac"] < 1
@@ -495,8 +481,8 @@ def test_decoupled_policy_loss_matches_float64_reference(mode):
         hi_lp, lo_lp = logp.detach().clone(), logp.detach().clone()
         hi_lp[i, j] += eps
         lo_lp[i, j] -= eps
-        fd = (_ref_decoupled(hi_lp, prox, beh, adv, mask, 0.2, 0.28, cap, mode)
-              - _ref_decoupled(lo_lp, prox, beh, adv, mask, 0.2, 0.28, cap, mode)) / (2 * eps)
+        fd = (_ref_policy_loss(hi_lp, prox, adv, mask, 0.2, 0.28, beh=beh, cap=cap, mode=mode)[0]
+              - _ref_policy_loss(lo_lp, prox, adv, mask, 0.2, 0.28, beh=beh, cap=cap, mode=mode)[0]) / (2 * eps)
         assert g[i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
     # no staleness: the decoupled loss is the standard one (weights 1, ratio to the same policy)
     lp = logp.detach().requires_grad_(True)

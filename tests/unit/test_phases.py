@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mopd_core.runtime.phases import ColocationError, check_colocated_fit
+from mopd_core.runtime.phases import ColocationError, check_colocated_fit, fsdp_gathered_bytes
 
 MB = 2**20
 
@@ -74,3 +74,8 @@ def test_fsdp_cpu_offload_leaves_only_the_gathered_units_on_the_device():
               placement="colocated", shards=2, driver_copy=True, activations=10 * MB)
     assert check_colocated_fit(limit_gib=None, **kw)["train"] == 200 + 100 + 10
     assert check_colocated_fit(limit_gib=None, gathered=30 * MB, **kw)["train"] == 60 + 100 + 10
+    # what is gathered at once: the root (embeddings + lm_head) and one of the decoder layers, in the compute dtype
+    hidden, layers, vocab, per_layer = 64, 4, 1000, 50_000
+    n = 2 * vocab * hidden + layers * per_layer
+    assert fsdp_gathered_bytes(n, (hidden, layers, vocab), 2) == (2 * vocab * hidden + per_layer) * 2
+    assert fsdp_gathered_bytes(n, None, 4) == n * 4  # shape unknown: the whole model
