@@ -28,9 +28,11 @@ class _Model(BaseModel):
 class RuntimeConfig(_Model):
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="Compute device. `auto` picks npu, then cuda, then cpu.")
-    placement: Literal["colocated", "disaggregated"] = Field(
+    placement: Literal["colocated", "disaggregated", "async"] = Field(
         "colocated", description="Colocated: trainer, rollout and teachers share devices and take turns. "
-        "Disaggregated: rollout/teachers are servers on their own devices.")
+        "Disaggregated: rollout/teachers are servers on their own devices. Async: disaggregated, and the "
+        "student's generation and the teachers' scoring run ahead of the trainer (at most async.max_staleness "
+        "weight versions behind; needs rollout.backend=served).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Compute dtype. Trained models keep float32 master weights and optimizer state "
         "(autocast; FSDP2: parameters gathered in this dtype, gradients reduced in float32); teachers, rollout "
@@ -281,8 +283,10 @@ class SFTConfig(_Model):
 
 
 class RolloutConfig(_Model):
-    backend: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers forward "
-                                           "with KV cache, any device) or `vllm` (in-process, GPU/NPU).")
+    backend: Literal["hf", "vllm", "served"] = Field(
+        "hf", description="Generation engine: `hf` (transformers forward with KV cache, any device), `vllm` "
+        "(in-process, GPU/NPU) or `served` (rollout.servers vLLM OpenAI servers started for the stage, the "
+        "trainer's weights sent after every update; python, start-up timeout and CPU KV cache as teachers.*).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs use it too.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 = off). Truncation (top_p < 1, "
                          "top_k > 0 or min_p > 0): the engines report the processed log-probs of the truncated, "
@@ -304,6 +308,19 @@ class RolloutConfig(_Model):
         "cache); None = 0.3, leaving the rest to training in colocated placement.")
     sleep_level: Literal[1, 2] = Field(1, description="vllm backend: 1 = offload weights to host while asleep, "
                                        "2 = discard them (re-sent from the trainer on wake).")
+    # the served-backend fields are left out of the dump at their defaults: configs without them keep their stage
+    # fingerprints
+    servers: int = Field(1, ge=1, exclude_if=lambda v: v == 1,
+                         description="served backend: student servers sharing the rollout requests.")
+    restarts: int = Field(2, ge=0, exclude_if=lambda v: v == 2,
+                          description="served backend: restarts of a dead or hung student server (its request is "
+                          "sent again); 0 = fail at once naming the server.")
+    request_timeout_s: float = Field(300.0, gt=0, exclude_if=lambda v: v == 300.0,
+                                     description="served backend: timeout of one sample's request.")
+    server_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", exclude_if=lambda v: v == "float32",
+        description="served backend: vLLM --dtype of the student servers (float32 on CPU matches the trainer's "
+        "log-probs).")
     engine_process: Literal["inprocess", "separate"] = Field(
         "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
         "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")
@@ -450,7 +467,28 @@ class EvalConfig(_Model):
     batch_size: int = Field(256, ge=1, description="Prompts per generation call.")
 
 
+class AsyncConfig(_Model):
+    """`runtime.placement: async` — generation and teacher scoring run ahead of the trainer (DESIGN §10)."""
+
+    max_staleness: int = Field(1, ge=0, description="k: a step's samples may come from weights up to k versions "
+                               "(updates) behind the trainer's; generation of step s waits for version s − k (AReaL's "
+                               "max_head_offpolicyness), older samples are dropped and regenerated. 0 = the "
+                               "synchronous loop's steps exactly.")
+    queue_size: int | None = Field(None, ge=1, description="Scored steps buffered ahead of the trainer (generation "
+                                   "blocks while full); None = max_staleness + 1.")
+    timeout_s: float = Field(1800.0, gt=0, description="Longest the trainer waits for a step's samples before it "
+                             "fails naming the stalled producer.")
+    is_cap: float = Field(2.0, gt=0, description="Decoupled PPO: cap of the importance weight π_prox/π_behav "
+                          "(stale samples only).")
+    is_mode: Literal["truncate", "mask"] = Field("truncate", description="Decoupled PPO: `truncate` clips the "
+                                                 "importance weight at is_cap; `mask` drops tokens above it.")
+
+
 class RecipeConfig(_Model):
+    # `async` is a Python keyword: the section is the field `async_`, read and written as `async`
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
     name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                       description="Recipe name: output folder, MLflow experiment, registered-model prefix.")
     seed: int = Field(0, description="Seeds every stage (data order, init, sampling).")
@@ -466,6 +504,8 @@ class RecipeConfig(_Model):
     teachers: TeachersConfig = Field(default_factory=TeachersConfig, description="Teacher scoring/routing.")
     mopd: MOPDConfig = Field(default_factory=MOPDConfig, description="Multi-teacher on-policy distillation.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", exclude_if=lambda v: v == AsyncConfig(),
+                                description="Asynchronous pipeline (runtime.placement=async).")
 
     @model_validator(mode="after")
     def _cross(self) -> "RecipeConfig":

@@ -186,6 +186,15 @@ def behaviour_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
     return [{"behaviour_logp": "trainer_recomputed"}] if recipe.rollout.truncates else []
 
 
+def async_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
+    """`runtime.placement: async` trains step s on samples of weight version s − k (and, for stale ones, the
+    decoupled loss): its trajectory-determining settings join the expert/mopd fingerprints then, and only then.
+    `queue_size` and `timeout_s` do not change which version generates a step (`train.pipeline`)."""
+    if recipe.runtime.placement != "async":
+        return []
+    return [{"async": recipe.async_.model_dump(include={"max_staleness", "is_cap", "is_mode"})}]
+
+
 def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     from .train.loop import TRAJECTORY_FREE
 
@@ -193,7 +202,8 @@ def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
     return stage_fingerprint("expert", domain, recipe.seed, recipe.runtime.dtype, data_fingerprint_part(recipe),
                              recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
-                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe),
+                             *async_fingerprint_part(recipe))
 
 
 def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
@@ -204,7 +214,8 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
                              recipe.teachers.model_dump(include=TEACHER_RESULT_FIELDS),
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
                              init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
-                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe))
+                             train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe),
+                             *async_fingerprint_part(recipe))
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:

@@ -240,6 +240,28 @@ def encode_prompts(tokenizer, prompts: Sequence[Any], device, max_prompt_tokens:
     return ids.to(device), mask.to(device)
 
 
+
+def assemble_completions(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                         rows: Sequence[tuple[Sequence[int], Sequence[float]]], examples: Sequence[Any],
+                         device) -> RolloutBatch:
+    """The `RolloutBatch` of completions sampled elsewhere (a vLLM engine or server): `rows` = each example's
+    (sampled token ids, their behaviour log-probs), right-padded with the pad id (mask 0, log-prob 0); texts
+    decoded without special tokens."""
+    B = len(rows)
+    T = max(1, max((len(t) for t, _ in rows), default=0))
+    c_ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+    c_mask = torch.zeros((B, T), dtype=torch.long)
+    c_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(rows):
+        n = len(toks)
+        if n:
+            c_ids[i, :n] = torch.tensor(list(toks))
+            c_mask[i, :n] = 1
+            c_lp[i, :n] = torch.tensor(list(lps), dtype=torch.float32)
+    texts = tokenizer.batch_decode([list(t) for t, _ in rows], skip_special_tokens=True)
+    return RolloutBatch(prompt_ids.to(device), prompt_mask.to(device), c_ids.to(device), c_mask.to(device),
+                        c_lp.to(device), list(examples), texts)
+
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix with mass ≥ top_p

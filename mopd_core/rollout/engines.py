@@ -77,9 +77,9 @@ from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
 from ..models.chat import formatter_for
-from . import HFRollout, RolloutBatch, RolloutEngine, encode_prompts
+from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "served")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
              "or set rollout.backend=hf")
 
@@ -129,6 +129,8 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
     backend = getattr(cfg, "backend", "hf")
     if backend == "hf":
         return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
+    if backend == "served":
+        return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)
@@ -151,6 +153,23 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
         kw["dtype"] = runtime.dtype
     kw.update(vllm_kwargs)
     return VllmRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, **kw)
+
+
+def _served(recipe, cfg, model, tokenizer, device, max_prompt_tokens, chat, kw):
+    """`rollout.backend: served`: start `rollout.servers` student servers on `model_path` (the checkpoint the
+    trainer's module was loaded from) under `run_dir`; `version` = the weight version that checkpoint is."""
+    from .served import ServedRollout
+
+    if "model_path" not in kw or "run_dir" not in kw:
+        raise ValueError("rollout.backend=served needs model_path= and run_dir= (the loop passes them)")
+    t = getattr(recipe, "teachers", None)
+    return ServedRollout.start(
+        kw["model_path"], kw["run_dir"], tokenizer=tokenizer, device=device, max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=cfg.max_new_tokens, servers=cfg.servers, dtype=cfg.server_dtype,
+        python=t.serve_python if t is not None else ".venv-vllm/bin/python",
+        startup_timeout_s=t.startup_timeout_s if t is not None else 300.0,
+        kv_cache_gib=t.kv_cache_gib if t is not None else 1, restarts=cfg.restarts, version=kw.get("version", 0),
+        model=model, chat=chat, request_timeout_s=cfg.request_timeout_s)
 
 
 # ---------------------------------------------------------------- worker side (runs inside vLLM's worker)
@@ -419,27 +438,15 @@ class VllmRollout(RolloutEngine):
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=int(s),
             stop_ids=stops, top_k=top_k, min_p=min_p)) for s in seeds]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        rows = [o.outputs[0] for o in outs]
-        B = len(rows)
-        T = max(1, max(len(r.token_ids) for r in rows))
-        c_ids = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
-        c_mask = torch.zeros((B, T), dtype=torch.long)
-        c_lp = torch.zeros((B, T), dtype=torch.float32)
-        for i, r in enumerate(rows):
+        rows = []
+        for o in outs:
+            r = o.outputs[0]
             toks = list(r.token_ids)
-            n = len(toks)
-            if not n:
-                continue
-            c_ids[i, :n] = torch.tensor(toks)
-            c_mask[i, :n] = 1
-            if r.logprobs is None:
+            if toks and r.logprobs is None:
                 # a bug (ours or vLLM's), not the user's input: keeps its traceback
                 raise RuntimeError("rollout.backend=vllm: the engine returned no logprobs for a sample")
-            c_lp[i, :n] = torch.tensor([r.logprobs[t][toks[t]].logprob for t in range(n)], dtype=torch.float32)
-        texts = tok.batch_decode([row[m.bool()].tolist() for row, m in zip(c_ids, c_mask)],
-                                 skip_special_tokens=True)
-        return RolloutBatch(ids, mask, c_ids.to(self.device), c_mask.to(self.device), c_lp.to(self.device),
-                            examples, texts)
+            rows.append((toks, [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]))
+        return assemble_completions(tok, ids, mask, rows, examples, self.device)
 
     # -- teardown --------------------------------------------------------------------------------------------
     def close(self) -> None:

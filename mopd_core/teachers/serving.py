@@ -140,9 +140,10 @@ class TeacherServers(Supervisor):
                  startup_timeout_s: float = 300.0, restarts: int = 2, gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1, devices: Mapping[str, str] | None = None,
                  student_fingerprint: str | None = None, extra_args: list[str] | None = None,
-                 env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0):
+                 env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0, role: str = "teacher"):
         if not checkpoints:
-            raise TeacherError("no teacher checkpoints to serve")
+            raise TeacherError(f"no {role} checkpoints to serve")
+        self.role = role  # what the logs and errors call a server: "teacher" or "student server" (one lifecycle)
         self.run_dir = Path(run_dir).resolve()
         self.python = resolve_python(python)
         self.max_model_len = int(max_seq_len) + 1
@@ -161,10 +162,10 @@ class TeacherServers(Supervisor):
         for tid, ckpt in checkpoints.items():
             ckpt = Path(ckpt)
             if not (ckpt / "config.json").exists():
-                raise TeacherError(f"teacher '{tid}': '{ckpt}' is not a model checkpoint (no config.json)")
+                raise TeacherError(f"{role} '{tid}': '{ckpt}' is not a model checkpoint (no config.json)")
             limit = checkpoint_max_positions(ckpt)
             if limit is not None and self.max_model_len > limit:
-                raise TeacherError(f"teacher '{tid}' ({ckpt}) supports {limit} positions, the student needs "
+                raise TeacherError(f"{role} '{tid}' ({ckpt}) supports {limit} positions, the student needs "
                                    f"{self.max_model_len} (prompt + completion + 1) — lower data.max_prompt_tokens/"
                                    "rollout.max_new_tokens")
             self.servers[tid] = TeacherServer(tid, str(ckpt.resolve()), 0, self.run_dir / "logs" / f"{tid}.log",
@@ -239,7 +240,7 @@ class TeacherServers(Supervisor):
             s.port = port if (port and attempt == 0 and port_free(port)) else free_port()
             s.log.parent.mkdir(parents=True, exist_ok=True)
             with open(s.log, "ab") as logf:
-                logf.write(f"\n=== mopd: start {s.starts + 1} of teacher '{s.teacher_id}' on port {s.port} ===\n"
+                logf.write(f"\n=== mopd: start {s.starts + 1} of {self.role} '{s.teacher_id}' on port {s.port} ===\n"
                            .encode())
                 logf.flush()
                 s.proc = subprocess.Popen(self._cmd(s), stdout=logf, stderr=subprocess.STDOUT,
@@ -249,7 +250,7 @@ class TeacherServers(Supervisor):
             s.starts += 1
             _register(self)
             self._guard()
-            log.info("teacher '%s': vLLM server pid %d on %s (log %s)", s.teacher_id, s.proc.pid, s.url, s.log)
+            log.info("%s '%s': vLLM server pid %d on %s (log %s)", self.role, s.teacher_id, s.proc.pid, s.url, s.log)
             deadline = time.monotonic() + self.startup_timeout_s
             with httpx.Client(trust_env=False, timeout=5.0) as c:
                 while True:
@@ -259,21 +260,21 @@ class TeacherServers(Supervisor):
                         if c.get(f"{s.url}/health").status_code == 200:
                             info = c.get(f"{s.url}/v1/models").json()["data"][0]
                             s.model, s.max_model_len = info["id"], info.get("max_model_len", self.max_model_len)
-                            log.info("teacher '%s' healthy after %.0f s", s.teacher_id,
+                            log.info("%s '%s' healthy after %.0f s", self.role, s.teacher_id,
                                      self.startup_timeout_s - (deadline - time.monotonic()))
                             return
                     except (httpx.TransportError, ValueError, KeyError, IndexError):
                         pass
                     if time.monotonic() > deadline:
                         self._kill(s)
-                        raise TeacherError(f"teacher '{s.teacher_id}' server not healthy after "
+                        raise TeacherError(f"{self.role} '{s.teacher_id}' server not healthy after "
                                            f"{self.startup_timeout_s:.0f} s (teachers.startup_timeout_s; log: {s.log})")
                     time.sleep(0.5)
             self._kill(s)
             why = _last_error_line(s.log)
             if "address already in use" in why.lower() and attempt == 0:
                 continue
-            raise TeacherError(f"teacher '{s.teacher_id}' server exited with code {s.proc.returncode} during "
+            raise TeacherError(f"{self.role} '{s.teacher_id}' server exited with code {s.proc.returncode} during "
                                f"start-up: {why} (log: {s.log})")
 
     def start(self) -> dict[str, dict]:
@@ -347,7 +348,8 @@ class TeacherServers(Supervisor):
             s = self.servers[teacher_id]
             if s.dead():
                 return
-            log.warning("teacher '%s' server (pid %s) stopped answering /health; killing it", teacher_id, s.pid)
+            log.warning("%s '%s' server (pid %s) stopped answering /health; killing it", self.role, teacher_id,
+                        s.pid)
             self._kill(s, grace_s=0)
 
     def restart(self, teacher_id: str) -> str:
@@ -359,10 +361,10 @@ class TeacherServers(Supervisor):
             code = s.proc.returncode if s.proc else None
             if self.restart_counts[teacher_id] >= self.max_restarts:
                 raise TeacherUnavailable(
-                    f"teacher '{teacher_id}' server died (exit {code}) and its {self.max_restarts} restart(s) are "
-                    f"spent (teachers.restarts; log: {s.log})")
+                    f"{self.role} '{teacher_id}' server died (exit {code}) and its {self.max_restarts} restart(s) are "
+                    f"spent ({'teachers' if self.role == 'teacher' else 'rollout'}.restarts; log: {s.log})")
             self.restart_counts[teacher_id] += 1
-            log.warning("teacher '%s' server (pid %s) died with exit %s; restart %d/%d", teacher_id, s.pid, code,
+            log.warning("%s '%s' server (pid %s) died with exit %s; restart %d/%d", self.role, teacher_id, s.pid, code,
                         self.restart_counts[teacher_id], self.max_restarts)
             self._kill(s)  # its engine-core/worker children may have outlived it
             self._launch(s, port=s.port)
@@ -400,7 +402,9 @@ class TeacherServers(Supervisor):
         with self._lock:
             self._stopped = True
             live = [s for s in self.servers.values() if any(_alive_group(g) for g in s.pgids)]
-            if live:
+            if len(live) == 1:  # no pool: at interpreter exit (atexit) a pool can no longer start threads
+                self._kill(live[0])
+            elif live:
                 with ThreadPoolExecutor(len(live)) as ex:
                     list(ex.map(self._kill, live))
             _unregister(self)

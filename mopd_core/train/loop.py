@@ -39,6 +39,7 @@ from ..runtime.phases import PhaseScheduler, check_colocated_fit, fsdp_gathered_
 from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
                          read_stage, save_checkpoint, write_stage)
 from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
+from .pipeline import Produced
 from .progress import StageProgress
 
 
@@ -107,6 +108,20 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
         raise ConfigError(f"{stage}: {sec}.w_rl and {sec}.w_kd are both 0 — nothing to learn from; set one > 0")
     recipe.mix_weights(loop_cfg, sec, names)
     rt = recipe.runtime
+    if rt.placement == "async":
+        if recipe.rollout.backend != "served":
+            raise ConfigError(f"{stage}: runtime.placement=async needs rollout.backend=served (the student "
+                              f"generates on its own servers while the trainer updates), not "
+                              f"'{recipe.rollout.backend}'; set rollout.backend=served")
+        if rt.strategy != "single":
+            raise ConfigError(f"{stage}: runtime.placement=async runs with runtime.strategy=single for now "
+                              f"(the decoupled loss's proximal log-probs are not sent to Ray workers yet); set "
+                              f"runtime.strategy=single or runtime.placement=disaggregated")
+        if recipe.rollout.truncates:
+            raise ConfigError(f"{stage}: runtime.placement=async with truncated sampling (rollout.top_p < 1, top_k "
+                              "or min_p) — the untruncated behaviour log-probs need the generating weights, which "
+                              "the trainer has already updated; sample without truncation or use "
+                              "runtime.placement=disaggregated")
     if rt.dtype == "float16":
         raise ConfigError(f"{stage}: runtime.dtype=float16 cannot train here (float16 gradients need loss scaling, "
                           "which the RL/MOPD update does not do); use runtime.dtype=bfloat16")
@@ -220,8 +235,14 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             rec = read_stage(stage_dir) or {}
             rec["distributed"] = desc  # where the workers ran (node, pid, device, bytes per rank)
             write_stage(stage_dir, rec)
-        engine = build_rollout(recipe, model, tokenizer, device)
-        phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt, engine=engine, teachers=teachers,
+        served = recipe.rollout.backend == "served"
+        async_mode = recipe.runtime.placement == "async"
+        engine = build_rollout(recipe, model, tokenizer, device,
+                               **({"model_path": model_src, "run_dir": stage_dir / "rollout", "version": start}
+                                  if served else {}))
+        # the served engine's weights are handed over by the loop itself, with the step as their version
+        phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt,
+                                engine=None if served else engine, teachers=teachers,
                                 placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
         metrics_path = stage_dir / "metrics.jsonl"
         _truncate_metrics(metrics_path, start)
@@ -236,42 +257,84 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         # only domains whose rewards depend on it (zero_if_truncated) need the flags
         flag_cut_offs = any(getattr(d, "uses_truncation", False) for d in domains.values())
         top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
+        ro = recipe.rollout
+
+        def generate_step(step: int) -> Produced:
+            """The step's prompts and samples — all randomness from (seed, stage, step)."""
+            rng = random.Random(f"{recipe.seed}/{stage}/{step}")
+            prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
+            examples = [e for e in prompts for _ in range(G)]
+            gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
+            t0 = time.perf_counter()
+            # the phase scheduler is the trainer thread's: in async mode this runs in the generator thread
+            with (contextlib.nullcontext() if async_mode else phases.rollout()), amp():
+                # behaviour log-probs in the compute dtype of the update
+                batch = engine.generate(examples, max_new_tokens=max_new, temperature=ro.temperature,
+                                        top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
+                                        batch_size=ro.batch_size)
+            return Produced(step, rng, batch, time.perf_counter() - t0)
+
+        def score_step(p: Produced) -> None:
+            """Rewards and teacher scores of the step's samples (`p.scored`)."""
+            batch, sc = p.batch, p.scored
+            if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
+                t0 = time.perf_counter()
+                p.batch, sc["trunc"] = recompute_behaviour_logp(model, batch, ro.temperature,
+                                                                recipe.train.logprob_impl, loop_cfg.micro_batch_size,
+                                                                amp, packed=recipe.train.packing)
+                sc["trunc"]["perf/behaviour_logp_s"] = time.perf_counter() - t0
+                batch = p.batch
+            cut_off = truncated_flags(batch, max_new, stop_ids) if flag_cut_offs else None
+            sc["rewards"] = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
+            t0 = time.perf_counter()
+            before = teachers.stats() if teachers is not None else {}
+            sc["routed"] = (teachers.score(batch, top_k=top_k, visit=None if async_mode else phases.teacher)
+                            if teachers is not None else None)
+            sc["t_score"] = time.perf_counter() - t0
+            sc["teacher_stats"] = _teacher_stat_deltas(before, teachers.stats()) if teachers is not None else {}
+
+        pipeline = None
+        if async_mode:
+            from .pipeline import AsyncPipeline
+
+            ac = recipe.async_
+            pipeline = AsyncPipeline(engine=engine, generate=generate_step, score=score_step, start=start,
+                                     steps=loop_cfg.steps, max_staleness=ac.max_staleness,
+                                     queue_size=ac.queue_size, timeout_s=ac.timeout_s).start_threads()
 
         bar = StageProgress(stage, loop_cfg.steps, start, enabled=progress)
         try:
             for step in range(start, loop_cfg.steps):
                 t_step = time.perf_counter()
-                rng = random.Random(f"{recipe.seed}/{stage}/{step}")
-                prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
-                examples = [e for e in prompts for _ in range(G)]
-                gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
                 phases.begin_step(step + 1)
-
-                t0 = time.perf_counter()
-                ro = recipe.rollout
-                with phases.rollout(), amp():  # behaviour log-probs in the compute dtype of the update
-                    batch = engine.generate(examples, max_new_tokens=max_new, temperature=ro.temperature,
-                                            top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
-                                            batch_size=ro.batch_size)
-                t_roll = time.perf_counter() - t0
-                trunc: dict[str, float] = {}
-                if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
-                    t0 = time.perf_counter()
-                    batch, trunc = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
-                                                            loop_cfg.micro_batch_size, amp,
-                                                            packed=recipe.train.packing)
-                    trunc["perf/behaviour_logp_s"] = time.perf_counter() - t0
-                cut_off = truncated_flags(batch, max_new, stop_ids) if flag_cut_offs else None
-                rewards = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
+                m: dict[str, float] = {}
+                if pipeline is not None:
+                    produced, am = pipeline.take(step)
+                    m.update(am)
+                else:
+                    if served and engine.version != step:  # the previous update's weights, as version `step`
+                        t0 = time.perf_counter()
+                        rep = engine.sync_weights(model, version=step)
+                        m.update({"perf/weight_sync_s": time.perf_counter() - t0,
+                                  "weights/bytes_copied": float(rep["bytes_copied"])})
+                    produced = generate_step(step)
+                    score_step(produced)
+                rng, batch, t_roll = produced.rng, produced.batch, produced.t_roll
+                rewards, routed, t_score = (produced.scored[k] for k in ("rewards", "routed", "t_score"))
+                trunc = produced.scored.get("trunc", {})
                 mask = batch.completion_mask.float()
-
-                t0 = time.perf_counter()
-                stats_before = teachers.stats() if teachers is not None else {}
-                routed = teachers.score(batch, top_k=top_k, visit=phases.teacher) if teachers is not None else None
-                t_score = time.perf_counter() - t0
+                # decoupled PPO (async): samples of an older version get the trainer's current log-probs as the
+                # proximal policy; the behaviour log-probs stay in the advantage and the importance weight
+                proximal = None
+                if pipeline is not None and produced.version != step:
+                    t0 = time.perf_counter()
+                    proximal, _ = recompute_behaviour_logp(model, batch, ro.temperature, recipe.train.logprob_impl,
+                                                           loop_cfg.micro_batch_size, amp,
+                                                           packed=recipe.train.packing)
+                    proximal = proximal.behaviour_logp
+                    m["perf/proximal_logp_s"] = time.perf_counter() - t0
 
                 adv = torch.zeros_like(mask)
-                m: dict[str, float] = {}
                 if loop_cfg.w_rl > 0:
                     a_rl = alg.grpo_advantages(rewards, G, scale_by_std=loop_cfg.scale_by_std)
                     adv = adv + loop_cfg.w_rl * a_rl[:, None] * mask
@@ -290,7 +353,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                             upd = policy_update(model, opt, sched, batch, adv, mask, token_w, routed, loop_cfg,
                                                 recipe.rollout.temperature, rng, recipe.train.logprob_impl,
                                                 recipe.train.max_tokens_per_micro_batch,
-                                                packed=recipe.train.packing)
+                                                packed=recipe.train.packing, proximal=proximal,
+                                                is_cap=recipe.async_.is_cap, is_mode=recipe.async_.is_mode)
                     else:  # the workers update; this copy follows them (the next rollout samples from it)
                         upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
                                              seed=rng.getrandbits(31),
@@ -304,6 +368,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                         f"{stage}: non-finite loss/gradient at step {step + 1} (loss={upd['loss']}, grad_norm="
                         f"{upd['grad_norm']}); stopped without saving — last good checkpoint: "
                         f"{last[-1] if last else 'none'} (lower the lr or check the data)")
+                if pipeline is not None:  # version step + 1, for the generator to load when it needs it
+                    m.update(pipeline.publish(step + 1, model))
 
                 n_tok = int(mask.sum())
                 doms = [e.teacher_id for e in batch.examples]
@@ -315,7 +381,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
                 if routed is not None:
                     m.update(_teacher_metrics(routed, batch, mask))
-                    m.update(_teacher_stat_deltas(stats_before, teachers.stats()))
+                    m.update(produced.scored["teacher_stats"])
                     m["perf/score_s"] = t_score
                     m["perf/score_tokens_per_s"] = n_tok * (len(routed.per_teacher) if teachers.routing == "mixture"
                                                             else 1) / max(t_score, 1e-9)
@@ -358,6 +424,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                                     sharded=_sharded_writer(trainer))
         finally:
             bar.close()
+            if pipeline is not None:
+                pipeline.close()
             phases.restore()
             engine.close()  # a vLLM engine releases its device memory; the HF engine has nothing to close
 
@@ -373,7 +441,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": loop_cfg.steps,
                      "teacher_stats": teachers.stats() if teachers is not None else {},
                      "placement": {"mode": recipe.runtime.placement,
-                                   "max_teachers_resident": phases.max_teachers_resident}})
+                                   "max_teachers_resident": phases.max_teachers_resident},
+                     **({"rollout": {"backend": "served", **engine.manifest(), **engine.stats}} if served else {})})
         write_stage(stage_dir, info)
         return LoopResult(final_dir, last_eval, history, start, stage_dir)
     finally:
@@ -470,7 +539,8 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random, logprob_impl: str = "chunked",
             max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
-            packed: bool = False, kd_scale: float = 1.0) -> dict[str, float]:
+            packed: bool = False, kd_scale: float = 1.0, proximal: torch.Tensor | None = None,
+            is_cap: float | None = None, is_mode: str = "truncate") -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
     `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
@@ -482,7 +552,9 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     share of the positions all forwards computed (the zero-weight passes count as computed). `packed`
     (`train.packing`): each micro-batch's rows back to back without padding (`rollout.pack_rows`), the budget
     counting real tokens. `kd_scale` multiplies the JSD term (a Ray worker's `world · n_local / n_global`, the
-    factor its token weights carry for the policy loss, so the ranks' mean is the whole batch's token mean)."""
+    factor its token weights carry for the policy loss, so the ranks' mean is the whole batch's token mean).
+    `proximal` ([B,T], async stale samples): the decoupled PPO objective's proximal log-probs, with the importance
+    weight π_prox/π_behav capped at `is_cap` as `is_mode` says (`algorithms.policy_loss`)."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -517,8 +589,10 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             logp, ent = sc.logp, sc.entropy
             mk = mask[rows, :t]
             tw = token_w[rows, :t] if token_w is not None else None
+            dec = {} if proximal is None else {"proximal_logp": proximal[rows, :t], "is_cap": is_cap,
+                                               "is_mode": is_mode}
             loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows, :t], mk, cfg.clip_low, cfg.clip_high,
-                                        token_weights=tw)
+                                        token_weights=tw, **dec)
             # weight by tokens, not by micro-batch count: the minibatch's token mean (0: a pass only to stay in step)
             share = 0.0 if idle else float(mk.sum()) / n_mb
             total = loss * share
@@ -532,7 +606,8 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             total.backward()
             with torch.no_grad():
                 agg["entropy"] += 0.0 if idle else float((ent * mk).sum()) / n_mb / len(mbs)
-            for k in ("clip_frac", "approx_kl", "ratio_mean"):
+            for k in ("clip_frac", "approx_kl", "ratio_mean") + (() if proximal is None else
+                                                                 ("is_weight_mean", "is_capped_frac", "behaviour_kl")):
                 agg[k] += met.get(k, 0.0) * share / len(mbs)
             agg["loss"] += float(total.detach()) / len(mbs)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
