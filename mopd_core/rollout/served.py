@@ -52,7 +52,8 @@ from . import RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
 
 log = logging.getLogger("mopd.rollout")
 
-SERVER_ARGS = ["--logprobs-mode", "processed_logprobs"]
+# one served name whatever folder a server was (re)started on: a request built before a restart stays valid
+SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--served-model-name", "student"]
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the RL endpoints: /collective_rpc, /update_weight_version, …
 
 
@@ -125,6 +126,7 @@ class ServedRollout(RolloutEngine):
         self.retries, self.backoff_s = int(retries), float(backoff_s)
         self.owns_servers = owns_servers
         self._lock = _RWLock()
+        self._recover_lock = threading.Lock()
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0), trust_env=False,
                                     limits=httpx.Limits(max_connections=max_concurrency,
                                                         max_keepalive_connections=max_concurrency))
@@ -165,17 +167,23 @@ class ServedRollout(RolloutEngine):
         return self.servers.servers[name].url
 
     def _recover(self, name: str, why: str) -> None:
-        """A failed request: restart the server if it died or hangs (it comes back on the newest weights)."""
+        """A failed request: restart the server if it died or hangs (it comes back on the newest weights). One
+        thread recovers at a time and the others re-check after it, so a server still starting up is never
+        taken for a hung one."""
         sup = self.servers
-        if sup.is_dead(name) or sup.is_hung(name, timeout_s=10.0):
-            if not sup.is_dead(name):
+        with self._recover_lock:
+            dead = sup.is_dead(name)
+            if not dead and not sup.is_hung(name, timeout_s=10.0):
+                return  # healthy (another thread restarted it): the caller just retries
+            before = sup.restart_counts[name]
+            if not dead:
                 sup.kill_hung(name)
             sup.restart(name)  # raises TeacherUnavailable (InfraError) once its restarts are spent
-            self.stats["restarts"] += 1
-            s = sup.servers[name]
-            self._model_ids[name] = s.model
-            self._post(name, "/update_weight_version", {"new_version": str(self.version)}, recover=False)
-            log.warning("student server '%s' restarted after: %s", name, why)
+            if sup.restart_counts[name] > before:
+                self.stats["restarts"] += 1
+                self._model_ids[name] = sup.servers[name].model
+                self._post(name, "/update_weight_version", {"new_version": str(self.version)}, recover=False)
+                log.warning("student server '%s' restarted after: %s", name, why)
 
     def _post(self, name: str, path: str, body: dict | None = None, *, params: dict | None = None,
               recover: bool = True) -> Any:
