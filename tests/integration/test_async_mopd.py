@@ -156,3 +156,62 @@ def test_async_student_server_killed_is_restarted(tmp_path, sft_dir):
     info = json.loads((out.stage_dir / "stage.json").read_text())
     assert info["rollout"]["restarts"] >= 1
     assert info["rollout"]["student-0"]["pid"] != killed["pid"]
+
+
+_STAGE_SCRIPT = """
+import sys, torch
+from mopd_core import recipe as R
+from mopd_core.config import load_config
+cfg = load_config("tiny", sys.argv[2:])
+R.setup_runtime(cfg)
+torch.set_num_threads(1)
+R.mopd_stage(cfg, sys.argv[1], {d: sys.argv[1] for d in cfg.domain_names()}, progress=False)
+"""
+
+
+def test_async_trainer_killed_resumes_from_its_checkpoint(tmp_path, sft_dir):
+    """SIGKILL of the trainer's process after step 3 (checkpoint at 2): its student server dies with it (the
+    watchdog), the rerun resumes at step 2 — metrics.jsonl holds each step once — and regenerates the steps it
+    had queued from the checkpoint's weights (version 2), never from a version it no longer has."""
+    import subprocess
+    import sys
+
+    steps = 30  # steps take ~0.1 s: enough of them that the kill lands mid-stage
+    extra = ["runtime.placement=async", "async.max_staleness=1", f"mopd.steps={steps}"]
+    cfg = _cfg(tmp_path, *extra)
+    overrides = tiny_overrides(tmp_path) + ["rollout.backend=served", f"teachers.serve_python={VLLM_PY}",
+                                            "mopd.steps=4", "mopd.save_every=2", *extra]
+    stage_dir = cfg.run_dir() / "student"
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE_SCRIPT, str(sft_dir), *overrides], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            mp = stage_dir / "metrics.jsonl"
+            if mp.exists() and len(_rows(mp)) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the stage ended before it could be killed"
+        pid = json.loads((stage_dir / "rollout" / "endpoints.json").read_text())["student-0"]["pid"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60  # the orphaned student server is taken down by the watchdog
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists(), "the killed trainer's student server outlived it"
+
+    from mopd_core.train.checkpoint import checkpoint_dirs, checkpoint_step
+
+    ckpt = checkpoint_step(checkpoint_dirs(stage_dir)[-1])
+    assert 2 <= ckpt < steps
+    out = R.mopd_stage(cfg, sft_dir, {d: sft_dir for d in cfg.domain_names()}, progress=False)
+    assert out.history[0]["step"] == ckpt + 1  # resumed from the last checkpoint
+    rows = _rows(out.stage_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # each step once
+    # before the kill: version s − 1; after: nothing older than the checkpoint's version exists
+    assert [r["async/weight_version"] for r in rows] == [max(0, s - 1) if s < ckpt else max(ckpt, s - 1)
+                                                          for s in range(steps)]
+    assert all(r["async/dropped"] == 0 for r in rows)
