@@ -100,13 +100,15 @@ def _cfg(tmp_path, *extra):
 
 
 def test_async_k0_equals_sync_and_k1_runs_one_version_behind(tmp_path, sft_dir):
-    """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights; k = 1 trains each step s ≥ 1 on
-    samples of version s − 1 (the decoupled loss active), drops nothing, and still moves the weights."""
+    """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights; k = 1 (teachers on their own
+    vLLM servers) trains each step s ≥ 1 on samples of version s − 1 (the decoupled loss active), drops nothing,
+    and still moves the weights; every server the stages started is gone."""
     teachers = {"math": sft_dir, "code": R.base_model(_cfg(tmp_path / "b")), "if": sft_dir}
     runs = {}
     for name, extra in (("sync", ["runtime.placement=disaggregated"]),
                         ("k0", ["runtime.placement=async", "async.max_staleness=0"]),
-                        ("k1", ["runtime.placement=async", "async.max_staleness=1"])):
+                        # k = 1 against three teacher vLLM servers beside the student's
+                        ("k1", ["runtime.placement=async", "async.max_staleness=1", "teachers.backend=http"])):
         cfg = _cfg(tmp_path / name, *extra)
         runs[name] = R.mopd_stage(cfg, sft_dir, teachers, progress=False)
     ws, w0 = _weights(runs["sync"].model_dir), _weights(runs["k0"].model_dir)
@@ -125,8 +127,11 @@ def test_async_k0_equals_sync_and_k1_runs_one_version_behind(tmp_path, sft_dir):
     info = json.loads((runs["k1"].stage_dir / "stage.json").read_text())
     # the servers last loaded version 2 (step 4's samples); the trainer's final weights are in final/
     assert info["placement"]["mode"] == "async" and info["rollout"]["version"] == 2
-    for entry in json.loads((runs["k1"].stage_dir / "rollout" / "endpoints.json").read_text()).values():
-        assert not Path(f"/proc/{entry['pid']}").exists()  # the stage stopped its student server
+    assert set(runs["k1"].teachers) == {"math", "code", "if"}
+    assert all(r["reverse_kl/code"] != pytest.approx(r["reverse_kl/math"], abs=1e-4) for r in r1)
+    for manifest in ("rollout/endpoints.json", "teachers/endpoints.json"):  # student and teacher servers stopped
+        for entry in json.loads((runs["k1"].stage_dir / manifest).read_text()).values():
+            assert not Path(f"/proc/{entry['pid']}").exists()
 
 
 def test_async_student_server_killed_is_restarted(tmp_path, sft_dir):
