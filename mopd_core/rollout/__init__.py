@@ -240,7 +240,6 @@ def encode_prompts(tokenizer, prompts: Sequence[Any], device, max_prompt_tokens:
     return ids.to(device), mask.to(device)
 
 
-
 def assemble_completions(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                          rows: Sequence[tuple[Sequence[int], Sequence[float]]], examples: Sequence[Any],
                          device) -> RolloutBatch:
@@ -261,6 +260,7 @@ def assemble_completions(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
     texts = tokenizer.batch_decode([list(t) for t, _ in rows], skip_special_tokens=True)
     return RolloutBatch(prompt_ids.to(device), prompt_mask.to(device), c_ids.to(device), c_mask.to(device),
                         c_lp.to(device), list(examples), texts)
+
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -162,14 +162,14 @@ def _served(recipe, cfg, model, tokenizer, device, max_prompt_tokens, chat, kw):
 
     if "model_path" not in kw or "run_dir" not in kw:
         raise ValueError("rollout.backend=served needs model_path= and run_dir= (the loop passes them)")
-    t = getattr(recipe, "teachers", None)
+    from ..config import TeachersConfig
+
+    t = getattr(recipe, "teachers", None) or TeachersConfig()  # the servers' python, start-up and KV cache
     return ServedRollout.start(
         kw["model_path"], kw["run_dir"], tokenizer=tokenizer, device=device, max_prompt_tokens=max_prompt_tokens,
-        max_new_tokens=cfg.max_new_tokens, servers=cfg.servers, dtype=cfg.server_dtype,
-        python=t.serve_python if t is not None else ".venv-vllm/bin/python",
-        startup_timeout_s=t.startup_timeout_s if t is not None else 300.0,
-        kv_cache_gib=t.kv_cache_gib if t is not None else 1, restarts=cfg.restarts, version=kw.get("version", 0),
-        model=model, chat=chat, request_timeout_s=cfg.request_timeout_s)
+        max_new_tokens=cfg.max_new_tokens, servers=cfg.servers, dtype=cfg.server_dtype, python=t.serve_python,
+        startup_timeout_s=t.startup_timeout_s, kv_cache_gib=t.kv_cache_gib, restarts=cfg.restarts,
+        version=kw.get("version", 0), model=model, chat=chat, request_timeout_s=cfg.request_timeout_s)
 
 
 # ---------------------------------------------------------------- worker side (runs inside vLLM's worker)

@@ -150,7 +150,7 @@ class ServedRollout(RolloutEngine):
                             max_seq_len=required_max_model_len(max_prompt_tokens, max_new_tokens) - 1,
                             python=python, max_logprobs=1, dtype=dtype, startup_timeout_s=startup_timeout_s,
                             restarts=restarts, kv_cache_gib=kv_cache_gib, extra_args=SERVER_ARGS, env=SERVER_ENV,
-                            role="student server")
+                            role="student server", section="rollout")
         ts.start()
         try:
             eng = cls(ts, tokenizer, device, max_prompt_tokens, weights_dir=run_dir / "weights", version=version,
@@ -336,7 +336,7 @@ class ServedRollout(RolloutEngine):
 
     # -- teardown --------------------------------------------------------------------------------------------
     def manifest(self) -> dict:
-        return {**self.servers.manifest(), "version": self.version} if self.servers is not None else {}
+        return {**self.servers.manifest(), "version": self.version}
 
     def close(self) -> None:
         """Release the client; stop the servers this engine started. Idempotent."""
@@ -346,7 +346,7 @@ class ServedRollout(RolloutEngine):
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
-        if self.owns_servers and self.servers is not None:
+        if self.owns_servers:
             self.servers.stop()
 
 

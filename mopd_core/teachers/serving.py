@@ -140,10 +140,12 @@ class TeacherServers(Supervisor):
                  startup_timeout_s: float = 300.0, restarts: int = 2, gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1, devices: Mapping[str, str] | None = None,
                  student_fingerprint: str | None = None, extra_args: list[str] | None = None,
-                 env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0, role: str = "teacher"):
+                 env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0, role: str = "teacher",
+                 section: str = "teachers"):
         if not checkpoints:
             raise TeacherError(f"no {role} checkpoints to serve")
         self.role = role  # what the logs and errors call a server: "teacher" or "student server" (one lifecycle)
+        self.section = section  # the config section whose `restarts` bounds the restarts (named in the error)
         self.run_dir = Path(run_dir).resolve()
         self.python = resolve_python(python)
         self.max_model_len = int(max_seq_len) + 1
@@ -362,7 +364,7 @@ class TeacherServers(Supervisor):
             if self.restart_counts[teacher_id] >= self.max_restarts:
                 raise TeacherUnavailable(
                     f"{self.role} '{teacher_id}' server died (exit {code}) and its {self.max_restarts} restart(s) are "
-                    f"spent ({'teachers' if self.role == 'teacher' else 'rollout'}.restarts; log: {s.log})")
+                    f"spent ({self.section}.restarts; log: {s.log})")
             self.restart_counts[teacher_id] += 1
             log.warning("%s '%s' server (pid %s) died with exit %s; restart %d/%d", self.role, teacher_id, s.pid, code,
                         self.restart_counts[teacher_id], self.max_restarts)

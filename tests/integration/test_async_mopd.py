@@ -56,7 +56,6 @@ def test_served_student_weight_update_lands(tmp_path):
                               model=model)
     try:
         assert eng.weight_version() == "0"
-        before = eng.generate(examples, max_new_tokens=6, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
@@ -75,7 +74,6 @@ def test_served_student_weight_update_lands(tmp_path):
         with torch.no_grad():
             stale = completion_logprobs(load_model(base, "cpu", "float32").double(), after, 1.0)
         assert (after.behaviour_logp.double() - stale)[m].abs().max() > 1e-3
-        assert before.behaviour_logp.shape[0] == after.behaviour_logp.shape[0] == 6
     finally:
         eng.close()
     manifest = json.loads((tmp_path / "srv" / "endpoints.json").read_text())
