@@ -15,8 +15,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from . import tracking
-from .common import (STAGE_SECTIONS, discard_stage, eval_table, identity, local_path, publish_eval_tables,
-                     metrics_summary, publish_stage, refs_cache_dir, sidecar_path, stage_key,
+from .common import (STAGE_SECTIONS, artifact_key, discard_stage, eval_table, identity, local_path,
+                     publish_eval_tables, metrics_summary, publish_stage, refs_cache_dir, sidecar_path, stage_key,
                      tracked_result, write_sidecar)
 from .context import RETRY, prefect_tags
 from .teachers import live_teachers, record_restarts
@@ -99,6 +99,7 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         tracking.log_eval(run_id, ev)
         tracking.log_metric_rows(run_id, [{"step": 0, "wall_s": wall}])
         tracking.log_plots(run_id, tracking.plot_metrics(rows, stage_dir / "plots"))
+        overlap = publish_timeline(label, cfg.name, run_id, stage_dir)
         tracking.log_text(run_id, eval_table(ev), "eval.md")
         model_uri = None
         if registered:
@@ -130,9 +131,35 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
     publish_stage(label, cfg.name, f"# {label}\n\nmodel: `{result['ref']}`  \nwall: {wall:.1f} s"
                   + (f"  \nresumed from step {resumed}" if resumed else "")
                   + ("  \nreused from its folder (logged to this tracking store again)" if retracked else "")
-                  + f"\n\n## held-out accuracy (%)\n\n{eval_table(ev)}\n\n## step metrics\n\n"
-                  + metrics_summary(rows), link)
+                  + f"\n\n## held-out accuracy (%)\n\n{eval_table(ev)}\n\n"
+                  + (f"## phases over time\n\n{overlap}\n\n" if overlap else "")
+                  + "## step metrics\n\n" + metrics_summary(rows), link)
     return result
+
+
+def publish_timeline(label: str, recipe_name: str, run_id: str, stage_dir: Path) -> str:
+    """An RL stage's `timeline.jsonl` (when generation, scoring and each update ran) as the `overlap.png` Gantt
+    chart in its MLflow run and a per-step Prefect table; returns a Markdown line of busy/overlap fractions for
+    the stage summary ("" for a stage without a timeline)."""
+    from prefect.artifacts import create_table_artifact
+
+    from mopd_core.train import timeline
+
+    rows = timeline.read(stage_dir / "timeline.jsonl")
+    if not rows:
+        return ""
+    png = timeline.plot(rows, stage_dir / "plots" / "overlap.png", label)
+    tracking.log_plots(run_id, [png])
+    summ = timeline.summary(rows)
+    tracking.log_metric_rows(run_id, [{"step": 0, **{f"timeline/{k}": v for k, v in summ.items()}}])
+    table = [{"step": r["step"], "version": r.get("version"),
+              **{f"{lane}_{end}": round(r[lane][i], 3) for lane in timeline.LANES if r.get(lane)
+                 for i, end in enumerate(("start_s", "end_s"))}} for r in rows]
+    create_table_artifact(table=table, key=artifact_key(recipe_name, label) + "-timeline",
+                          description=f"{label}: when each step's generation, scoring and update ran (seconds)")
+    return (f"overlap (≥ 2 phases at once): {100 * summ['overlap_frac']:.0f} % of {summ['wall_s']:.1f} s; busy: "
+            + ", ".join(f"{lane} {100 * summ[lane + '_busy_frac']:.0f} %" for lane in timeline.LANES)
+            + " (`overlap.png` in the MLflow run)")
 
 
 def as_ref(result: Mapping[str, Any]) -> dict:

@@ -286,6 +286,9 @@ _PLOTS = {
     "reverse_kl": ("reverse_kl/", "reverse KL (ℓ^old − ℓᵀ) per teacher"),
     "teacher_score_s": ("teacher/", "teacher scoring seconds per step", "/score_s"),
     "phase_memory": ("mem/", "MiB held on the device per phase", "/resident_mb"),
+    # async placement: how busy each thread was per step and how stale the samples were
+    "async_busy": ("async/", "async: busy (producers) / idle (trainer) fraction per step", "_frac"),
+    "async_staleness": ("async/staleness_", "async: weight versions behind the trainer"),
     "loss": ("loss", "loss"),
 }
 

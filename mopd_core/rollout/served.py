@@ -267,7 +267,9 @@ class ServedRollout(RolloutEngine):
         dt = time.perf_counter() - t0
         self.stats["syncs"] += 1
         self.stats["sync_s"] += dt
-        return {"version": int(version), "servers": len(self.names), "seconds": dt}
+        # every server reads the whole folder from disk (the bytes the hand-over moves)
+        nbytes = (path / "model.safetensors").stat().st_size * len(self.names)
+        return {"version": int(version), "servers": len(self.names), "seconds": dt, "bytes": nbytes}
 
     def prune(self, keep_from: int) -> None:
         """Delete the weight folders older than `keep_from` (never the one the servers hold)."""

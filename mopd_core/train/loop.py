@@ -40,6 +40,7 @@ from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, clai
                          read_stage, save_checkpoint, write_stage)
 from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
 from .pipeline import Produced
+from . import timeline
 from .progress import StageProgress
 
 
@@ -245,7 +246,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                                 engine=None if served else engine, teachers=teachers,
                                 placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
         metrics_path = stage_dir / "metrics.jsonl"
+        timeline_path = stage_dir / "timeline.jsonl"  # when each step's phases ran (train.timeline)
         _truncate_metrics(metrics_path, start)
+        _truncate_metrics(timeline_path, start)
+        clock = timeline.Clock()
         _truncate_metrics(phases.events_path, start)
         eval_cfg = recipe.eval
         max_new = recipe.rollout.max_new_tokens
@@ -265,18 +269,20 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             prompts = sample_prompts(domains, weights, loop_cfg.prompts_per_step, rng)
             examples = [e for e in prompts for _ in range(G)]
             gen = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), clock.now()
             # the phase scheduler is the trainer thread's: in async mode this runs in the generator thread
             with (contextlib.nullcontext() if async_mode else phases.rollout()), amp():
                 # behaviour log-probs in the compute dtype of the update
                 batch = engine.generate(examples, max_new_tokens=max_new, temperature=ro.temperature,
                                         top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
                                         batch_size=ro.batch_size)
-            return Produced(step, rng, batch, time.perf_counter() - t0)
+            return Produced(step, rng, batch, time.perf_counter() - t0, version=step,
+                            times={"generate": [c0, clock.now()]})
 
         def score_step(p: Produced) -> None:
             """Rewards and teacher scores of the step's samples (`p.scored`)."""
             batch, sc = p.batch, p.scored
+            c0 = clock.now()
             if ro.truncates:  # off (the defaults): no extra forward, the engine's log-probs as they are
                 t0 = time.perf_counter()
                 p.batch, sc["trunc"] = recompute_behaviour_logp(model, batch, ro.temperature,
@@ -292,6 +298,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                             if teachers is not None else None)
             sc["t_score"] = time.perf_counter() - t0
             sc["teacher_stats"] = _teacher_stat_deltas(before, teachers.stats()) if teachers is not None else {}
+            p.times["score"] = [c0, clock.now()]
 
         pipeline = None
         if async_mode:
@@ -346,7 +353,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
                 token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
 
-                t0 = time.perf_counter()
+                t0, c_train = time.perf_counter(), clock.now()
                 with phases.train():
                     if trainer is None:
                         with amp():
@@ -370,6 +377,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                         f"{last[-1] if last else 'none'} (lower the lr or check the data)")
                 if pipeline is not None:  # version step + 1, for the generator to load when it needs it
                     m.update(pipeline.publish(step + 1, model))
+                timeline.append(timeline_path, {"step": step + 1, "version": produced.version, **produced.times,
+                                                "train": [c_train, clock.now()]})
 
                 n_tok = int(mask.sum())
                 doms = [e.teacher_id for e in batch.examples]
@@ -389,6 +398,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 m.update(trunc)
                 dt = time.perf_counter() - t_step
                 seq_tok = n_tok + int(batch.prompt_mask.sum())
+                if pipeline is not None:  # the share of the step the trainer waited for samples
+                    m["async/trainer_idle_frac"] = min(1.0, m["async/trainer_wait_s"] / max(dt, 1e-9))
                 m.update({"perf/rollout_s": t_roll, "perf/train_s": t_train, "perf/step_s": dt,
                           "perf/tokens_per_s": n_tok / dt, "perf/rollout_tokens_per_s": n_tok / max(t_roll, 1e-9),
                           "perf/train_tokens_per_s": seq_tok * loop_cfg.minibatches / max(t_train, 1e-9),

@@ -53,6 +53,7 @@ class Produced:
     version: int = 0               # the weight version that generated it
     sync: dict = field(default_factory=dict)  # the weight load that preceded the generation (if any)
     scored: dict = field(default_factory=dict)  # what the scorer adds (rewards, routed, cut_off, t_score, …)
+    times: dict = field(default_factory=dict)  # lane → [start, end] on the stage's timeline clock
 
 
 class _Activity:
@@ -204,6 +205,7 @@ class AsyncPipeline:
                   "async/weight_version": float(p.version)})
         if p.sync:
             m["perf/weight_sync_s"] = float(p.sync["seconds"])
+            m["weights/bytes_loaded"] = float(p.sync.get("bytes", 0))
         return p, m
 
     def publish(self, version: int, model) -> dict[str, float]:
