@@ -37,6 +37,7 @@ at once with the server's message.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -135,6 +136,20 @@ class ServedRollout(RolloutEngine):
                       "sync_s": 0.0, "sync_bytes": 0}
         self.last_sync: dict | None = None
         self._model_ids = {n: servers.servers[n].model for n in self.names}
+        # config and tokenizer files of every version folder: copied once from the folder the servers started on
+        # (which may be a checkpoint that rotation deletes later; the servers' current folder changes and older
+        # versions are pruned while the trainer writes), then hard-linked into each version
+        self._files_src = self.weights_dir / "_files"
+        src = Path(servers.servers[self.names[0]].checkpoint)
+        if src.is_dir() and not self._files_src.is_dir():
+            tmp = self.weights_dir / "._files.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for f in src.iterdir():
+                if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt") and \
+                        not f.name.endswith(".index.json"):
+                    shutil.copy2(f, tmp / f.name)
+            tmp.rename(self._files_src)
 
     @classmethod
     def start(cls, checkpoint: str | Path, run_dir: str | Path, *, tokenizer, device, max_prompt_tokens: int,
@@ -223,14 +238,19 @@ class ServedRollout(RolloutEngine):
         started on, `model.safetensors` written from `sd`; renamed into place only when complete."""
         from safetensors.torch import save_file
 
-        src = Path(self.servers.servers[self.names[0]].checkpoint)
+        src = self._files_src if self._files_src.is_dir() else Path(self.servers.servers[self.names[0]].checkpoint)
         out = self.weights_dir / f"v{version}"
         tmp = self.weights_dir / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for f in src.iterdir():
-            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt") and not f.name.endswith(".index.json"):
-                shutil.copy2(f, tmp / f.name)
+            if f.is_file():
+                # config and tokenizer files never change between versions: a hard link, not MBs copied per step
+                # (a real tokenizer.json is several MB); copied where links are not possible
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(out, ignore_errors=True)

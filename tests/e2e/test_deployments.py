@@ -172,6 +172,50 @@ def test_single_stage_mopd_deployment(services, recipe_runs):
     assert len(c.get_metric_history(new.run_id, "loss")) == 4
 
 
+VLLM_PY = Path(os.environ.get("MOPD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def _pids_gone(run_dir: Path, manifest: str) -> list[Path]:
+    """Every `<stage>/<manifest>` under run_dir; asserts each server process it lists has exited."""
+    found = sorted(run_dir.rglob(manifest))
+    for m in found:
+        for name, entry in json.loads(m.read_text()).items():
+            assert not Path(f"/proc/{entry['pid']}").exists(), f"{name} ({m}) still runs"
+    return found
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason=f"vLLM environment missing ({VLLM_PY}): run infra/vllm_venv.sh")
+def test_async_mopd_deployment_starts_and_stops_its_servers(services, recipe_runs):
+    """The mopd stage deployment with runtime.placement=async (issue 12): the student generates on its own vLLM
+    server one weight version behind the trainer; the run completes, its MLflow run holds the async metrics and the
+    overlap plot, the Prefect run a timeline table — and the student server is gone afterwards, also when the
+    stage fails mid-run (mixture routing with kd_loss=jsd is refused at the first scoring call, after the server
+    started)."""
+    out = services.tmp / "runs-async"
+    async_set = ["runtime.placement=async", "rollout.backend=served", f"teachers.serve_python={VLLM_PY}",
+                 "async.max_staleness=1"]
+    refs = {"init": "models:/t-sft/1", "teacher_refs": {d: f"models:/t-expert-{d}/1" for d in ("math", "code", "if")}}
+    p = services.run_deployment("mopd/tiny", {"overrides": short_overrides(out) + async_set, **refs,
+                                              "mopd": {"steps": 3}})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    run = services.runs("mopd/tiny")[-1]
+    assert run["state_type"] == "COMPLETED"
+    assert any(a["key"].endswith("-timeline") and a["type"] == "table" for a in run["artifacts"])
+    c = mlflow_client(services.mlflow)
+    new = max(c.search_model_versions("name='t-student'"), key=lambda v: int(v.version))
+    assert [m.value for m in c.get_metric_history(new.run_id, "async/weight_version")] == [0, 0, 1]
+    assert "async/trainer_idle_frac" in c.get_run(new.run_id).data.metrics
+    assert any(a.path == "plots/overlap.png" for a in c.list_artifacts(new.run_id, "plots"))
+    assert _pids_gone(out, "rollout/endpoints.json"), "no student server manifest written"
+
+    failing = short_overrides(services.tmp / "runs-async-fail") + async_set + ["teachers.routing=mixture",
+                                                                                "mopd.kd_loss=jsd"]
+    p = services.run_deployment("mopd/tiny", {"overrides": failing, **refs, "mopd": {"steps": 3}})
+    run = services.runs("mopd/tiny")[-1]
+    assert run["state_type"] == "FAILED", run
+    assert _pids_gone(services.tmp / "runs-async-fail", "rollout/endpoints.json"), "the server never started"
+
+
 def test_nightly_promotes_champion_and_compares(services, recipe_runs):
     params = {"overrides": short_overrides(services.tmp / "runs", name="n")}
     for _ in range(2):

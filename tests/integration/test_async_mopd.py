@@ -100,13 +100,15 @@ def _cfg(tmp_path, *extra):
 def test_async_k0_equals_sync_and_k1_runs_one_version_behind(tmp_path, sft_dir):
     """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights; k = 1 (teachers on their own
     vLLM servers) trains each step s ≥ 1 on samples of version s − 1 (the decoupled loss active), drops nothing,
-    and still moves the weights; every server the stages started is gone."""
+    and still moves the weights; k = 2 runs two versions behind with generation overlapping the updates; every
+    server the stages started is gone."""
     teachers = {"math": sft_dir, "code": R.base_model(_cfg(tmp_path / "b")), "if": sft_dir}
     runs = {}
     for name, extra in (("sync", ["runtime.placement=disaggregated"]),
                         ("k0", ["runtime.placement=async", "async.max_staleness=0"]),
                         # k = 1 against three teacher vLLM servers beside the student's
-                        ("k1", ["runtime.placement=async", "async.max_staleness=1", "teachers.backend=http"])):
+                        ("k1", ["runtime.placement=async", "async.max_staleness=1", "teachers.backend=http"]),
+                        ("k2", ["runtime.placement=async", "async.max_staleness=2", "mopd.steps=5"])):
         cfg = _cfg(tmp_path / name, *extra)
         runs[name] = R.mopd_stage(cfg, sft_dir, teachers, progress=False)
     ws, w0 = _weights(runs["sync"].model_dir), _weights(runs["k0"].model_dir)
@@ -119,6 +121,14 @@ def test_async_k0_equals_sync_and_k1_runs_one_version_behind(tmp_path, sft_dir):
     assert [r["async/staleness_max"] for r in r1] == [0, 1, 1, 1]
     assert all(r["async/dropped"] == 0 for r in r1)
     assert all("is_weight_mean" in r for r in r1[1:]) and "is_weight_mean" not in r1[0]
+    r2 = _rows(runs["k2"].stage_dir / "metrics.jsonl")  # two versions behind once the pipeline is full
+    assert [r["async/weight_version"] for r in r2] == [0, 0, 0, 1, 2]
+    assert [r["async/staleness_max"] for r in r2] == [0, 1, 2, 2, 2]
+    assert all(r["async/dropped"] == 0 for r in r2)
+    tl = [json.loads(x) for x in (runs["k2"].stage_dir / "timeline.jsonl").read_text().splitlines()]
+    assert [t["version"] for t in tl] == [0, 0, 0, 1, 2]
+    # step s + 1's generation started before step s's update ended: the phases overlapped
+    assert any(tl[i + 1]["generate"][0] < tl[i]["train"][1] for i in range(len(tl) - 1))
     w1, wi = _weights(runs["k1"].model_dir), _weights(sft_dir)
     assert any(not torch.equal(w1[k], wi[k]) for k in w1)  # trained
     assert any(not torch.equal(w1[k], ws[k]) for k in w1)  # and not the synchronous trajectory
