@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="sync,k1,k2")
     ap.add_argument("--teachers", choices=("local", "http"), default="local",
                     help="local: teachers in the trainer's process; http: one vLLM-CPU server per teacher")
+    ap.add_argument("--device", default="cpu", help="runtime.device of the trainer (cpu | cuda | npu); the vLLM "
+                    "servers follow teachers.serve_python's platform")
     ap.add_argument("--threads", type=int, default=1, help="runtime.num_threads of the trainer process")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-async")
     ap.add_argument("--set", action="append", default=[], help="extra overrides for every stage (k=v)")
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"vLLM environment missing ({vllm_py}): run `make vllm-venv`")
     modes = [m for m in args.modes.split(",") if m]
     results = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": args.threads,
-                           "torch": torch.__version__},
+                           "torch": torch.__version__, "device": args.device},
                "steps": args.steps, "teachers": args.teachers, "overrides": args.set, "seeds": {},
                "notes": [args.note] if args.note else []}
     if args.merge and args.out.with_suffix(".json").exists():
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         results["wall_s_before"] = old.get("wall_s", 0.0) + old.get("wall_s_before", 0.0)
     t_all = time.perf_counter()
     for seed in [int(s) for s in args.seeds.split(",")]:
-        base = [f"output_dir={args.run_dir}", f"name=s{seed}", f"seed={seed}", "runtime.device=cpu",
+        base = [f"output_dir={args.run_dir}", f"name=s{seed}", f"seed={seed}", f"runtime.device={args.device}",
                 f"runtime.num_threads={args.threads}", *args.set]
         cfg = load_config("tiny", base)
         R.setup_runtime(cfg)

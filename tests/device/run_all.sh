@@ -31,7 +31,7 @@ export MOPD_DEVICE_RESULTS="$TMP/records.jsonl" HF_HUB_OFFLINE=1 TOKENIZERS_PARA
 
 if [ "$#" -gt 0 ]; then FILES=("$@"); else
   FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_fsdp2.py test_vllm_rollout.py test_vllm_ipc.py
-         test_colocated_step.py)
+         test_colocated_step.py test_async_pipeline.py)
 fi
 
 rc=0
