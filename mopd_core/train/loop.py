@@ -152,6 +152,9 @@ def check_objective(stage: str, m: PolicyLoopConfig, recipe: RecipeConfig) -> No
         raise ConfigError(f"{stage}: {sec}.kd_loss={m.kd_loss} / gap_following / reward_refresh / teachers.conflict "
                           "need the student's candidate pass beside the teachers', which the async pipeline's scorer "
                           "thread does not run; set runtime.placement=colocated or disaggregated")
+    if m.gap_following and not 0 < m.gap_clip[0] <= 1 <= m.gap_clip[1]:
+        raise ConfigError(f"{stage}: {sec}.gap_clip={list(m.gap_clip)} must be [low, high] with 0 < low ≤ 1 ≤ high "
+                          "(e.g. [0.05, 20])")
     if m.reward_refresh and m.minibatches < 2:
         raise ConfigError(f"{stage}: {sec}.reward_refresh recomputes the advantage between inner minibatch updates, "
                           f"but {sec}.minibatches={m.minibatches}; set {sec}.minibatches ≥ 2 or reward_refresh=false")
@@ -426,6 +429,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     adv = adv + loop_cfg.w_kd * a_kd
                     m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
                 token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
+                if planned:  # each domain's share of the tokens and of the weighted advantage mass (what it pulls)
+                    m.update(_domain_shares(adv, token_w, mask, group_ids, names))
 
                 t0, c_train = time.perf_counter(), clock.now()
                 with phases.train():
@@ -619,6 +624,23 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
         if ntok[name]:
             mk = mask[rows]
             out[f"reverse_kl/{name}"] = float(((batch.behaviour_logp[rows] - lp) * mk).sum() / ntok[name])
+    return out
+
+
+def _domain_shares(adv, token_w, mask, group_ids, names: list[str]) -> dict[str, float]:
+    """`token_share/<d>`: the domain's share of the completion tokens; `grad_share/<d>`: its share of
+    Σ w_t·|A_t| (token weights × advantage magnitude, summed over a dense loss's slots) — Open-MOPD's diagnosis
+    of a short-answer domain that holds many prompts but few gradient tokens."""
+    a = (adv.sum(-1) if adv.dim() == 3 else adv).abs() * mask
+    if token_w is not None:
+        a = a * token_w
+    tok, mass = mask.sum(-1), a.sum(-1)
+    out = {}
+    for d, n in enumerate(names):
+        rows = group_ids == d
+        if rows.any():
+            out[f"token_share/{n}"] = float(tok[rows].sum() / tok.sum().clamp(min=1))
+            out[f"grad_share/{n}"] = float(mass[rows].sum() / mass.sum()) if float(mass.sum()) > 0 else 0.0
     return out
 
 

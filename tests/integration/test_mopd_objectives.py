@@ -48,6 +48,7 @@ def test_topk_rkl_gap_following_and_refresh_train_and_log(tmp_path):
         assert all(0.05 <= r[f"gap/scale/{d}"] <= 20 for d in doms)
         assert 1.0 <= r["kd/candidates_per_token"] <= 4.0
         assert "refresh/kd_adv_change" in r and "adv/kd_mean" in r and torch.isfinite(torch.tensor(r["loss"]))
+        assert abs(sum(r[f"grad_share/{d}"] for d in doms) - 1) < 1e-6
     # the second step's running gap continues the first (EMA with momentum 0.9)
     d = next(d for d in cfg.domain_names() if f"gap/m/{d}" in rows[0] and f"gap/m/{d}" in rows[1])
     assert rows[1][f"gap/m/{d}"] != rows[0][f"gap/m/{d}"]
@@ -60,9 +61,16 @@ def test_topk_rkl_gap_following_and_refresh_train_and_log(tmp_path):
     r = json.loads((R.mopd_stage(c2, sft, teachers, progress=False).stage_dir / "metrics.jsonl").read_text()
                    .splitlines()[-1])
     assert r["jsd"] > 0
+    # a mixture's conflicting tokens take the most conservative teacher's target over every candidate
     c3 = cfg.model_copy(update={"output_dir": str(tmp_path / "conflict")}, deep=True)
-    c3.teachers.routing, c3.teachers.conflict, c3.teachers.conflict_nats = "mixture", "mask", 0.01
-    c3.mopd.kd_loss, c3.mopd.steps = "sampled_rkl", 1
+    c3.teachers.routing, c3.teachers.conflict, c3.teachers.conflict_nats = "mixture", "consensus", 0.01
+    c3.mopd.steps = 1
     r = json.loads((R.mopd_stage(c3, sft, teachers, progress=False).stage_dir / "metrics.jsonl").read_text()
                    .splitlines()[-1])
-    assert 0 <= r["conflict/frac"] <= 1
+    assert 0 < r["conflict/frac"] < 1
+    # the union of the student's and the teacher's top-K (two student passes, the teacher scores both)
+    c4 = cfg.model_copy(update={"output_dir": str(tmp_path / "union")}, deep=True)
+    c4.mopd.kd_candidates, c4.mopd.steps = "union", 1
+    r = json.loads((R.mopd_stage(c4, sft, teachers, progress=False).stage_dir / "metrics.jsonl").read_text()
+                   .splitlines()[-1])
+    assert 4.0 <= r["kd/candidates_per_token"] <= 8.0

@@ -361,3 +361,10 @@ def test_config_defaults_keep_fingerprints_and_bad_combinations_fail_in_one_line
         with pytest.raises(ConfigError, match=words) as e:
             _check_config(c, "mopd", doms, True)
         assert "\n" not in str(e.value)
+
+
+def test_a_resumed_run_continues_the_running_gaps_from_metrics(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    assert L.kd.restore_gaps(p, ["x", "y"]) == [None, None]
+    p.write_text('{"step": 1, "gap/m/x": 0.5}\n{"step": 2, "gap/m/x": 0.25, "gap/m/y": 2.0}\n')
+    assert L.kd.restore_gaps(p, ["x", "y", "z"]) == [0.25, 2.0, None]
