@@ -131,9 +131,10 @@ class LocalTeacher(Teacher):
         return out
 
     @torch.no_grad()
-    def hidden(self, batch: RolloutBatch, device) -> tuple[torch.Tensor, TeacherHead]:
-        """Final hidden states of the real completion positions `[N,H]` (row-major) and the head that projects
-        them, both on `device` (kd_loss=full_jsd: the divergence is taken over the whole vocabulary, chunked)."""
+    def hidden(self, batch: RolloutBatch, device) -> tuple[TeacherScore, torch.Tensor, TeacherHead]:
+        """`score` plus the final hidden states of the real completion positions `[N,H]` (row-major) and the head
+        that projects them, on `device`, from the same forward (kd_loss=full_jsd: the divergence is taken over the
+        whole vocabulary, chunked)."""
         t0 = time.perf_counter()
         self.load()
         try:
@@ -141,9 +142,10 @@ class LocalTeacher(Teacher):
                                    micro_batch_size=self.batch_size, hidden=True)
             head = unwrap(self.model).get_output_embeddings()
             softcap, scale = logit_transform(self.model)
-            out = sc.hidden.to(device), TeacherHead(head.weight.detach().to(device, copy=self._moves),
-                                                    None if head.bias is None else head.bias.detach().to(device),
-                                                    scale, softcap, self.temperature)
+            # a copy when the weights leave the device after the turn: the update projects through it later
+            w = head.weight.detach().to(device, copy=self._moves)
+            bias = None if head.bias is None else head.bias.detach().to(device, copy=self._moves)
+            out = TeacherScore(sc.logp), sc.hidden.to(device), TeacherHead(w, bias, scale, softcap, self.temperature)
         finally:
             self.unload()
         self.stats["seconds"] += time.perf_counter() - t0
@@ -284,14 +286,18 @@ class TeacherRouter:
         return RoutedScore(mixed, w.argmax(-1), None, None, time.perf_counter() - t0,
                            {n: (all_rows, scores[k]) for k, n in enumerate(self.names)}, sup, per_sup)
 
-    def hidden(self, batch: RolloutBatch, visit=None) -> dict[str, tuple[torch.Tensor, torch.Tensor, TeacherHead]]:
-        """kd_loss=full_jsd, domain routing: teacher → (its rows [n], the final hidden states of their real
-        completion positions [N_t,H_t] row-major, its head), each in-process teacher inside `visit(name)`."""
+    def hidden(self, batch: RolloutBatch, visit=None
+               ) -> tuple[RoutedScore, dict[str, tuple[torch.Tensor, torch.Tensor, TeacherHead]]]:
+        """kd_loss=full_jsd, domain routing: `score`'s ℓᵀ and, from the same forwards, teacher → (its rows [n], the
+        final hidden states of their real completion positions [N_t,H_t] row-major, its head); each in-process
+        teacher inside `visit(name)`."""
         if self.routing != "domain":
             raise TeacherError("mopd.kd_loss=full_jsd needs teachers.routing=domain")
+        t0 = time.perf_counter()
         dev = batch.completion_ids.device
         index = torch.tensor([self.names.index(e.teacher_id) for e in batch.examples], device=dev)
-        out = {}
+        logp = torch.zeros(batch.completion_ids.shape, device=dev)
+        per, out = {}, {}
         for k, name in enumerate(self.names):
             rows = (index == k).nonzero().squeeze(-1)
             if not rows.numel():
@@ -301,9 +307,11 @@ class TeacherRouter:
                 raise TeacherError(f"mopd.kd_loss=full_jsd needs local teachers (teachers.backend=local): teacher "
                                    f"'{name}' cannot return hidden states")
             with (visit(name) if visit is not None else nullcontext()):
-                h, head = t.hidden(batch.select(rows), dev)
+                sc, h, head = t.hidden(batch.select(rows), dev)
+            logp[rows] = sc.logp.to(dev)
+            per[name] = (rows, sc.logp.to(dev))
             out[name] = (rows, h, head)
-        return out
+        return RoutedScore(logp, index, seconds=time.perf_counter() - t0, per_teacher=per), out
 
     def stats(self) -> dict[str, dict]:
         return {n: dict(t.stats) for n, t in self.teachers.items()}

@@ -61,7 +61,9 @@ class FullJSD:
     heads: dict = field(default_factory=dict)
 
     @classmethod
-    def from_router(cls, router, batch: RolloutBatch, visit=None) -> "FullJSD":
+    def from_router(cls, router, batch: RolloutBatch, visit=None):
+        """`(routed, FullJSD)`: the teachers' ℓᵀ (metrics, a `w_rl` advantage's company) and their hidden states,
+        from one forward per teacher."""
         names = list(router.names)
         B, T = batch.completion_ids.shape
         dev = batch.completion_ids.device
@@ -69,13 +71,14 @@ class FullJSD:
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         out = cls(index, pos, names)
         cm = batch.completion_mask.bool()
-        for name, (rows, h, head) in router.hidden(batch, visit).items():
+        routed, states = router.hidden(batch, visit)
+        for name, (rows, h, head) in states.items():
             index[rows] = names.index(name)
             pos[rows] = torch.arange(rows.numel(), device=dev)
             m = cm[rows]
             out.hidden[name] = h.new_zeros(m.shape + (h.shape[-1],)).masked_scatter(m.unsqueeze(-1), h)
             out.heads[name] = head
-        return out
+        return routed, out
 
     def divergence(self, student_hidden: torch.Tensor, student_head, s_transform, rows: list[int], mask: torch.Tensor,
                    beta: float) -> torch.Tensor:

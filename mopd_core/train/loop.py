@@ -363,10 +363,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     model, batch, teachers, kind=loop_cfg.kd_candidates, k=loop_cfg.kd_top_k,
                     temperature=ro.temperature, impl=recipe.train.logprob_impl,
                     micro_batch_size=loop_cfg.micro_batch_size, amp=amp, packed=recipe.train.packing, visit=visit)
+            elif full_jsd:  # ℓᵀ and the hidden states from one forward per teacher
+                sc["routed"], sc["full"] = kd.FullJSD.from_router(teachers, batch, visit)
             else:
                 sc["routed"] = (teachers.score(batch, top_k=top_k, visit=visit) if teachers is not None else None)
-            if teachers is not None and full_jsd:
-                sc["full"] = kd.FullJSD.from_router(teachers, batch, visit)
             sc["t_score"] = time.perf_counter() - t0
             sc["teacher_stats"] = _teacher_stat_deltas(before, teachers.stats()) if teachers is not None else {}
             p.times["score"] = [c0, clock.now()]
