@@ -52,6 +52,7 @@ class Teacher:
     stats: dict
     fingerprint: str | None = None
     in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
+    scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)
     param_bytes = 0     # bytes of those weights
 
     @property
@@ -79,6 +80,7 @@ class LocalTeacher(Teacher):
     """In-process teacher. With `offload`, weights live in CPU memory and visit the device only to score."""
 
     in_process = True
+    scores_any_ids = True
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None,
@@ -221,6 +223,11 @@ class TeacherRouter:
         servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one.
         `supports`: per job the ids `[n,T,S]` whose log-probs to return too (None: none)."""
         supports = supports or [None] * len(jobs)
+        for (n, _), sup in zip(jobs, supports):
+            if sup is not None and not getattr(self.teachers[n], "scores_any_ids", False):
+                raise TeacherError(f"teacher '{n}' cannot score the student's candidate tokens (a vLLM server's "
+                                   "prompt_logprobs return the sampled token and its own top-k only); use a local "
+                                   "teacher or mopd.kd_candidates=teacher")
 
         def one(n, b, sup):  # the keyword only when asked: a scorer without it (http) is never handed one
             return self.teachers[n].score(b, top_k, **({} if sup is None else {"support_ids": sup}))

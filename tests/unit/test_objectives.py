@@ -368,3 +368,18 @@ def test_a_resumed_run_continues_the_running_gaps_from_metrics(tmp_path):
     assert L.kd.restore_gaps(p, ["x", "y"]) == [None, None]
     p.write_text('{"step": 1, "gap/m/x": 0.5}\n{"step": 2, "gap/m/x": 0.25, "gap/m/y": 2.0}\n')
     assert L.kd.restore_gaps(p, ["x", "y", "z"]) == [0.25, 2.0, None]
+
+
+def test_a_teacher_that_cannot_score_arbitrary_ids_is_refused_by_name():
+    from mopd_core.teachers import Teacher, TeacherError, TeacherRouter
+
+    class Server(Teacher):  # what an http teacher is: sampled token and its own top-k only
+        name, path, stats = "math", "http://x", {}
+
+        def score(self, batch, top_k=0):
+            raise AssertionError("must not be asked")
+
+    batch = _lm_batch(B=2)
+    batch.examples = [type("E", (), {"teacher_id": "math"})()] * 2
+    with pytest.raises(TeacherError, match="teacher 'math' cannot score the student's candidate tokens"):
+        TeacherRouter({"math": Server()}).score(batch, support_ids=torch.zeros(2, 5, 3, dtype=torch.long))
