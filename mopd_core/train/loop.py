@@ -429,7 +429,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     adv = adv + loop_cfg.w_kd * a_kd
                     m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
                 token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
-                if planned:  # each domain's share of the tokens and of the weighted advantage mass (what it pulls)
+                if routed is not None:  # each domain's share of the tokens and of the weighted advantage mass
                     m.update(_domain_shares(adv, token_w, mask, group_ids, names))
 
                 t0, c_train = time.perf_counter(), clock.now()
