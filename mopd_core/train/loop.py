@@ -188,6 +188,13 @@ def check_objective(stage: str, m: PolicyLoopConfig, recipe: RecipeConfig) -> No
         if recipe.train.logprob_impl != "chunked":
             raise ConfigError(f"{stage}: {sec}.kd_loss=full_jsd runs on the chunked path; set "
                               "train.logprob_impl=chunked")
+        try:
+            import trl.kernels.chunked_divergence  # noqa: F401 — TRL's kernel, in TRL releases of 2026
+        except ImportError:
+            import trl
+
+            raise ConfigError(f"{stage}: {sec}.kd_loss=full_jsd uses trl.kernels.chunked_divergence, which "
+                              f"trl {trl.__version__} lacks: pip install -U 'trl>=1.16'") from None
 
 
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
