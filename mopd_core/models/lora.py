@@ -18,6 +18,7 @@ the frozen base must stay bit-identical for the whole stage.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch
 ADAPTER_DIR = "adapter"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ADAPTER = "default"  # PEFT's adapter name; one adapter per model here
+# the key prefix `PeftModel.save_pretrained` writes (its wrapper's path to the model): our files load there too
+_PEFT_PREFIX = "base_model.model."
 
 
 def peft_config(cfg, base_name: str | None = None):
@@ -57,10 +60,10 @@ def add_lora(model, cfg):
 
 def lora_layers(model) -> dict[str, Any]:
     """{module name: PEFT LoRA layer} of `model` (empty for a model without adapters)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # no peft installed: no model can hold adapters
+    if "peft" not in sys.modules:  # no adapter can exist before peft is imported: plain runs never import it
         return {}
+    from peft.tuners.lora import LoraLayer
+
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
@@ -94,8 +97,9 @@ def export_state_dict(model) -> dict[str, torch.Tensor]:
             continue  # lora_A / lora_B / … : folded into the base weight below
         name = f"{owner}.{rest[len('base_layer.'):]}"
         if rest == "base_layer.weight":
-            # PEFT's own delta (scaling, fan_in_fan_out), added in float32 and cast back as its merge does
-            t = (t.float() + layers[owner].get_delta_weight(_ADAPTER).float()).to(t.dtype)
+            # PEFT's own delta (scaling, fan_in_fan_out), added in at least float32 (bfloat16 bases) and cast back
+            acc = torch.promote_types(t.dtype, torch.float32)
+            t = (t.to(acc) + layers[owner].get_delta_weight(_ADAPTER).to(acc)).to(t.dtype)
         out[name] = t
     return out
 
@@ -118,12 +122,13 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model, out_dir: str | Path) -> Path:
-    """Write the adapter as PEFT does (`adapter_config.json` + `adapter_model.safetensors`)."""
+    """Write the adapter as `PeftModel.save_pretrained` does (`adapter_config.json` + `adapter_model.safetensors`,
+    keys under `base_model.model.`), so `PeftModel.from_pretrained(base, dir)` loads it too."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
+    sd = {_PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
     save_file(sd, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     model.peft_config[_ADAPTER].save_pretrained(str(out))
     return out
@@ -141,7 +146,7 @@ def load_adapter(model, adapter_dir: str | Path) -> None:
     if not path.exists():
         raise ModelError(f"'{adapter_dir}' holds no LoRA adapter ({ADAPTER_WEIGHTS}) — resume from a checkpoint "
                          "of a LoRA stage or restart the stage (`--restart`)")
-    sd = load_file(str(path))
+    sd = {k.removeprefix(_PEFT_PREFIX): v for k, v in load_file(str(path)).items()}
     want = set(adapter_state_dict(model))
     if set(sd) != want:
         raise ModelError(f"the adapter in '{adapter_dir}' does not match the configured LoRA layers ({len(sd)} "
