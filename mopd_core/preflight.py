@@ -268,7 +268,9 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
     check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
                         optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=rt.strategy != "single", activations=act, teachers_on_ranks=on_ranks,
+                        # LoRA with the hf engine samples from a merged copy of the weights (train/loop.py)
+                        driver_copy=rt.strategy != "single" or (lora is not None and recipe.rollout.backend == "hf"),
+                        activations=act, teachers_on_ranks=on_ranks,
                         gathered=(fsdp_gathered_bytes(stu.num_params, stu.shape, b)
                                   if recipe.train.fsdp_cpu_offload else None),
                         trainable_bytes=None if lora is None else lora * master)

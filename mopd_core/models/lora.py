@@ -104,6 +104,37 @@ def export_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def merged_copy(model):
+    """A plain copy of a LoRA model (every PEFT layer replaced by its base layer) holding the merged weights, frozen,
+    in eval mode: what an in-process engine samples from (`rollout.backend: hf`), at the speed of the plain model
+    (no adapter matmuls per layer). Costs one more copy of the weights; `refresh_merged` keeps it current."""
+    import copy
+
+    out = copy.deepcopy(model)
+    for name, layer in lora_layers(out).items():  # PEFT's unload, without merging into the trained model
+        parent, _, child = name.rpartition(".")
+        setattr(out.get_submodule(parent) if parent else out, child, layer.get_base_layer())
+    if hasattr(out, "peft_config"):
+        del out.peft_config
+    out.requires_grad_(False).eval()
+    refresh_merged(out, model)
+    return out
+
+
+@torch.no_grad()
+def refresh_merged(copy_model, model) -> int:
+    """Write `model`'s merged weights into `merged_copy`'s adapted layers (the rest is the frozen base, equal
+    already). Returns the bytes written."""
+    n = 0
+    for name, layer in lora_layers(model).items():
+        w = layer.get_base_layer().weight
+        acc = torch.promote_types(w.dtype, torch.float32)
+        dst = copy_model.get_submodule(name).weight
+        dst.copy_((w.to(acc) + layer.get_delta_weight(_ADAPTER).to(acc)).to(w.dtype))
+        n += dst.numel() * dst.element_size()
+    return n
+
+
 def _owner(key: str, layers: dict[str, Any]) -> str | None:
     """The LoRA layer a state-dict key belongs to (its module path is a prefix of the key)."""
     parts = key.split(".")

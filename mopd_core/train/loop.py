@@ -32,7 +32,7 @@ from ..domains.base import domain_rewards
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, truncated_flags
 from ..models import load_model, load_tokenizer, model_shape, save_pretrained, tokenizer_fingerprint, unwrap
 from ..models.chat import carry_chat_template
-from ..models.lora import ADAPTER_DIR, add_lora, load_adapter, trainable_parameters
+from ..models.lora import ADAPTER_DIR, add_lora, load_adapter, merged_copy, refresh_merged, trainable_parameters
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
@@ -240,11 +240,15 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     # the same rule as the pre-flight's: with FSDP2 CPU offload only the gathered units are on the device
     gathered = (fsdp_gathered_bytes(n_params, model_shape(unwrap(model).config.to_dict()),
                                     getattr(torch, rt.dtype).itemsize) if recipe.train.fsdp_cpu_offload else None)
+    # LoRA with the in-process engine: it samples from a plain copy holding the merged weights (refreshed before
+    # each rollout and eval) at the plain model's speed, not through the adapter matmuls of every layer; the vllm
+    # and served engines get the merged weights through their own hand-over (`lora.export_state_dict`)
+    merged_rollout = lora is not None and recipe.rollout.backend == "hf"
     check_colocated_fit(kind=dinfo.kind, limit_gib=rt.memory_limit_gib,
                         student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                         optimizer_factor=2.0, teacher_bytes=in_process, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=trainer is not None, gathered=gathered,
+                        driver_copy=trainer is not None or merged_rollout, gathered=gathered,
                         trainable_bytes=(sum(p.numel() * p.element_size() for p in trainable_parameters(model))
                                          if lora is not None else None))
     try:
@@ -257,14 +261,23 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             write_stage(stage_dir, rec)
         served = recipe.rollout.backend == "served"
         async_mode = recipe.runtime.placement == "async"
-        engine = build_rollout(recipe, model, tokenizer, device,
+        merged = merged_copy(model) if merged_rollout else None
+
+        def sampler():
+            """The module rollout and eval sample from: the trainer's, or the merged copy brought up to date."""
+            if merged is None:
+                return model
+            refresh_merged(merged, model)
+            return merged
+        engine = build_rollout(recipe, model if merged is None else merged, tokenizer, device,
                                **({"model_path": model_src, "run_dir": stage_dir / "rollout", "version": start}
                                   if served else {}))
         if served and lora is not None and start > 0:  # the servers started on the base: the resumed merged weights
             engine.sync_weights(model, version=start)
         # the served engine's weights are handed over by the loop itself, with the step as their version
+        # (the merged copy is refreshed by the loop: the scheduler's hand-over would swap in the trainer's module)
         phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt,
-                                engine=None if served else engine, teachers=teachers,
+                                engine=None if served or merged is not None else engine, teachers=teachers,
                                 placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
         metrics_path = stage_dir / "metrics.jsonl"
         timeline_path = stage_dir / "timeline.jsonl"  # when each step's phases ran (train.timeline)
@@ -345,6 +358,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                         rep = engine.sync_weights(model, version=step)
                         m.update({"perf/weight_sync_s": time.perf_counter() - t0,
                                   "weights/bytes_copied": float(rep["bytes_copied"])})
+                    elif merged is not None and step > start:  # the copy is current at the start
+                        t0 = time.perf_counter()
+                        m.update({"weights/bytes_copied": float(refresh_merged(merged, model)),
+                                  "perf/weight_sync_s": time.perf_counter() - t0})
                     produced = generate_step(step)
                     score_step(produced)
                 rng, batch, t_roll = produced.rng, produced.batch, produced.t_roll
@@ -439,7 +456,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 done = step + 1
                 if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
                     with amp():
-                        last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
+                        last_eval = evaluate_model(sampler(), tokenizer, eval_domains, eval_cfg, device, eval_new,
                                                    recipe.seed, loop_cfg.eval_size, chat=recipe.data.chat)
                     for d, r in last_eval.items():
                         for k, v in r.items():
@@ -463,7 +480,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
 
         log.info("%s: %s", stage, phases.summary())
         with amp():
-            last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
+            last_eval = evaluate_model(sampler(), tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
                                        loop_cfg.eval_size, chat=recipe.data.chat)
         final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
         # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it

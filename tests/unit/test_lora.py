@@ -103,6 +103,14 @@ def test_merged_weights_equal_the_adapted_model_float64(targets):
     base = _model()
     with torch.no_grad():
         assert (base(_ids()).logits - a).abs().max().item() > 1e-3
+    # the hf engine's plain copy: no adapter layers, the same logits, and it follows the adapters when refreshed
+    copy = L.merged_copy(model)
+    assert not L.has_lora(copy) and set(copy.state_dict()) == plain_keys and not L.trainable_parameters(copy)
+    _perturb_b(model, seed=2)
+    with torch.no_grad():
+        assert (copy(_ids()).logits - a).abs().max().item() < 1e-10
+        assert L.refresh_merged(copy, model) > 0
+        assert (copy(_ids()).logits - model(_ids()).logits).abs().max().item() < 1e-10
 
 
 def test_a_fresh_adapter_merges_to_the_base_exactly():
