@@ -139,16 +139,18 @@ def markdown(r: dict) -> str:
              "| train tokens/s | peak RSS MiB | stage wall s |",
              "|---|---|---|---|---|---|---|---|---|"]
     sft_acc = [s["sft"]["eval"][d]["greedy"] for s in seeds]
-    lines.append(f"| SFT | {cell(sft_acc, scale=100)} | – | – | – | – | – | {cell([s['sft']['peak_rss_mb'] for s in seeds], '{:.0f}')} "
+    sft_rss = cell([s["sft"]["peak_rss_mb"] for s in seeds], "{:.0f}")
+    lines.append(f"| SFT | {cell(sft_acc, scale=100)} | – | – | – | – | – | {sft_rss} "
                  f"| {cell([s['sft']['wall_s'] for s in seeds], '{:.0f}')} |")
     for arm in ARMS:
         a = [s[arm] for s in seeds]
         acc = [x["eval"][d]["greedy"] for x in a]
         gain = [x - y for x, y in zip(acc, sft_acc)]
         tp = a[0]["trainable_params"]
+        step_tps = cell([x["tokens_per_s"]["tokens_per_s"] for x in a], "{:.0f}")
         lines.append(
             f"| expert ({arm}) | {cell(acc, scale=100)} | {cell(gain, '{:+.1f}', 100)} | {tp:,} "
-            f"({100 * tp / a[0]['model_params']:.1f} %) | {cell([x['tokens_per_s']['tokens_per_s'] for x in a], '{:.0f}')} "
+            f"({100 * tp / a[0]['model_params']:.1f} %) | {step_tps} "
             f"| {cell([x['tokens_per_s']['rollout_tokens_per_s'] for x in a], '{:.0f}')} "
             f"| {cell([x['tokens_per_s']['train_tokens_per_s'] for x in a], '{:.0f}')} "
             f"| {cell([x['peak_rss_mb'] for x in a], '{:.0f}')} | {cell([x['wall_s'] for x in a], '{:.0f}')} |")
