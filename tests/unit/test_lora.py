@@ -93,6 +93,9 @@ def test_merged_weights_equal_the_adapted_model_float64(targets):
                                                        "up_proj", "down_proj"})  # never lm_head
     merged = L.export_state_dict(model)
     assert set(merged) == plain_keys  # the base model's names: no base_layer / lora_ keys
+    from mopd_core.rollout.served import _state_dict  # what the student servers (and async publish) are handed
+
+    assert set(_state_dict(model)) == plain_keys
     plain = _model(seed=9)  # other weights: everything must come from `merged`
     plain.load_state_dict(merged, strict=True)
     model.eval(), plain.eval()  # eval: the adapter's dropout is off, as in rollout
