@@ -269,6 +269,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 return model
             refresh_merged(merged, model)
             return merged
+
         engine = build_rollout(recipe, model if merged is None else merged, tokenizer, device,
                                **({"model_path": model_src, "run_dir": stage_dir / "rollout", "version": start}
                                   if served else {}))
