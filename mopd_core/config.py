@@ -417,6 +417,21 @@ class TrainConfig(_Model):
         "activations, for host↔device traffic every step; the same numbers (not fingerprinted).")
 
 
+class LoRAConfig(_Model):
+    """LoRA on the policy (PEFT `LoraConfig`): the base weights stay frozen and only the low-rank adapters train
+    and are checkpointed; the rollout engine, `final/` and every later stage get the merged weights (a plain HF
+    model)."""
+
+    r: int = Field(16, ge=1, description="Adapter rank (PEFT `r`).")
+    alpha: float = Field(32.0, gt=0, description="Adapter scale numerator (PEFT `lora_alpha`): the update is "
+                         "(alpha / r) · B·A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input in training (PEFT "
+                           "`lora_dropout`). Rollout samples without it, so > 0 makes the PPO ratio noisy; 0 for RL.")
+    target_modules: list[str] | None = Field(
+        None, description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; None = every "
+        "linear layer but the output head (PEFT's `all-linear`: the attention and MLP projections).")
+
+
 class PolicyLoopConfig(_Model):
     """The one on-policy loop: expert RL (w_kd=0, no teachers) and MOPD (teachers ± reward)."""
 
@@ -469,6 +484,10 @@ class PolicyLoopConfig(_Model):
     eval_size: int | None = Field(None, ge=1, description="Eval prompts per domain during training; None = all.")
     save_every: int = Field(50, ge=1, description="Checkpoint (weights + optimizer + step) every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest deleted).")
+    # left out of the dump while None, so configs without LoRA keep their stage fingerprints
+    lora: LoRAConfig | None = Field(None, exclude_if=lambda v: v is None, description="Train low-rank adapters "
+                                    "instead of every weight (set it, even to {}, to enable; None = full "
+                                    "fine-tuning). runtime.strategy=single only.")
 
 
 class ExpertRLConfig(PolicyLoopConfig):

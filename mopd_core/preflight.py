@@ -14,7 +14,10 @@ seconds, names the field or file and the fix, and leaves no stage folder behind.
 - every prompt of the data fits `data.max_prompt_tokens`, tokenized with the run's tokenizer (dataset rows: all
   of them, named by file and row; synthetic domains: the eval set and a sample of training prompts);
 - the output dir can be written (nothing in the way is a regular file, files can be created there) and its disk
-  has the space a checkpoint needs: parameter bytes × 3 (weights + AdamW's two moments) + a margin.
+  has the space a checkpoint needs: parameter bytes × 3 (weights + AdamW's two moments) + a margin;
+- LoRA (`expert.lora` / `mopd.lora`): the memory estimate gives gradients and AdamW state to the adapter
+  parameters only (counted on the model built on the meta device), and a `target_modules` that matches no module
+  of the model fails here.
 """
 
 from __future__ import annotations
@@ -260,12 +263,35 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
             r = f"teachers on rank {teacher_bundle(i, rt.num_workers)}"
             per[r] = per.get(r, 0) + tb.get(k, 0)
         tb = {r: v for r, v in per.items() if v}
+    loop = recipe.expert if stage.startswith("expert-") else recipe.mopd
+    lora = _lora_params(recipe, stu, loop.lora) if loop.lora is not None else None
     check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
                         optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=rt.strategy != "single", activations=act, teachers_on_ranks=on_ranks,
+                        # LoRA with the hf engine samples from a merged copy of the weights (train/loop.py)
+                        driver_copy=rt.strategy != "single" or (lora is not None and recipe.rollout.backend == "hf"),
+                        activations=act, teachers_on_ranks=on_ranks,
                         gathered=(fsdp_gathered_bytes(stu.num_params, stu.shape, b)
-                                  if recipe.train.fsdp_cpu_offload else None))
+                                  if recipe.train.fsdp_cpu_offload else None),
+                        trainable_bytes=None if lora is None else lora * master)
+
+
+def _lora_params(recipe: RecipeConfig, stu: _Model, lora) -> int | None:
+    """The adapter parameters a LoRA stage trains (only they get gradients and AdamW state), counted on the model
+    built from its config on the meta device; None when the config cannot be read here (then the estimate is
+    full fine-tuning's)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .models.lora import count_lora_params
+
+        cfg = AutoConfig.from_pretrained(stu.path, trust_remote_code=recipe.model.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - not resolvable now (a hub id offline): the stage's own load reports it
+        return None
+    return count_lora_params(model, lora)  # a target_modules that matches nothing: ConfigError, now
 
 
 # ---------------------------------------------------------------- data

@@ -107,7 +107,8 @@ def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
 def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
     """Write weights + tokenizer atomically: into `<out>.tmp`, then renamed over `out`, so a crash or a full disk
     never leaves half a model and never touches the previous `out` (a failed write removes only the temp dir;
-    ENOSPC is a `DiskFullError` naming the disk)."""
+    ENOSPC is a `DiskFullError` naming the disk). A model with LoRA adapters is written merged
+    (`lora.export_state_dict`)."""
     import shutil
 
     out = Path(out_dir)
@@ -115,7 +116,11 @@ def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
     old = out.with_name(out.name + ".old")
     with writing(tmp, f"the model {out}"):
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, safe_serialization=True)
+        from .lora import export_state_dict, has_lora
+
+        # a LoRA policy is written merged, under the base names: a plain HF model that loads without peft
+        model.save_pretrained(tmp, safe_serialization=True,
+                              **({"state_dict": export_state_dict(model)} if has_lora(model) else {}))
         tokenizer.save_pretrained(tmp)
     # swap: the previous `out` moves aside first, so at every instant one complete model lies at out or out.old
     if out.exists():

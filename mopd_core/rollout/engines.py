@@ -77,6 +77,7 @@ from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
 from ..models.chat import formatter_for
+from ..models.lora import export_state_dict
 from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
 
 BACKENDS = ("hf", "vllm", "served")
@@ -373,7 +374,8 @@ class VllmRollout(RolloutEngine):
         model = self.model if model is None else model
         self.wake(["weights"])
         t0 = time.perf_counter()
-        named = [(n, t.detach()) for n, t in model.state_dict().items()]
+        # a LoRA policy hands over its merged weights (the engine's model has no adapters)
+        named = [(n, t.detach()) for n, t in export_state_dict(model).items()]
         total = sum(t.numel() * t.element_size() for _, t in named)
         copied = packed = messages = calls = 0
         methods = set()

@@ -103,8 +103,10 @@ class _RWLock:
 def _state_dict(model_or_sd) -> Mapping[str, torch.Tensor]:
     if isinstance(model_or_sd, Mapping):
         return model_or_sd
+    from ..models.lora import export_state_dict
+
     m = getattr(model_or_sd, "module", model_or_sd)
-    return m.state_dict()
+    return export_state_dict(m)  # a LoRA policy's merged weights: the servers load a plain HF model
 
 
 class ServedRollout(RolloutEngine):

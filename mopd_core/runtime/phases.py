@@ -83,7 +83,8 @@ def fsdp_gathered_bytes(num_params: int, shape: tuple[int, int, int] | None, dty
 def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: int, optimizer_factor: float,
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
                         driver_copy: bool = False, activations: int = 0,
-                        teachers_on_ranks: bool = False, gathered: int | None = None) -> dict[str, float]:
+                        teachers_on_ranks: bool = False, gathered: int | None = None,
+                        trainable_bytes: int | None = None) -> dict[str, float]:
     """Pre-flight (before any compute): the largest phase must fit the budget of one device (one rank). Returns
     the phase needs (MiB).
 
@@ -96,9 +97,16 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     (`activation_bytes`), held during the update. `teachers_on_ranks` (teachers.placement=workers): `teacher_bytes`
     is per rank (the teachers placed on it, asked at once, so loaded together) and the ranks keep their training
     state while they score. `gathered` (train.fsdp_cpu_offload): the shards and the optimizer live on the host, the
-    device holds only the units gathered at once (these bytes, with their gradients) beside the driver's copy."""
+    device holds only the units gathered at once (these bytes, with their gradients) beside the driver's copy.
+    `trainable_bytes` (LoRA): only these parameters have gradients and optimizer state; the frozen rest is weights
+    alone."""
     w = student_bytes / MB
-    on_device = 2 * gathered / MB if gathered is not None else w * (2 + optimizer_factor) / shards
+    if gathered is not None:
+        on_device = 2 * gathered / MB
+    elif trainable_bytes is not None:
+        on_device = (w + trainable_bytes / MB * (1 + optimizer_factor)) / shards
+    else:
+        on_device = w * (2 + optimizer_factor) / shards
     state = on_device + (w if driver_copy else 0.0)
     trainer = state + activations / MB
     held = w if placement == "colocated" else state  # what rollout/score hold of the student

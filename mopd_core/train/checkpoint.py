@@ -4,7 +4,7 @@ state, written to a temp dir and renamed so a crash mid-write never corrupts the
 Stage folder layout::
 
     <stage>/stage.json            fingerprint of the stage's config + inputs, status (running/done), results
-    <stage>/checkpoints/step-N/   model, tokenizer, loop_state.pt
+    <stage>/checkpoints/step-N/   model (with tokenizer) or, for a LoRA stage, adapter; loop_state.pt
     <stage>/final/                the finished model (what later stages consume)
     <stage>/metrics.jsonl         one JSON object per step
 """
@@ -23,6 +23,7 @@ import torch
 from ..config import RESULTS_VERSION
 from ..errors import StageStateError  # noqa: F401 - checkpoint.StageStateError stays the public name
 from ..models import save_pretrained, writing
+from ..models.lora import ADAPTER_DIR, has_lora, save_adapter
 
 log = logging.getLogger("mopd")
 
@@ -134,13 +135,17 @@ def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, sch
     (`DiskFullError`) leaves only the temp dir, removed, and every earlier checkpoint and final/ untouched. The
     oldest checkpoints beyond `keep` are deleted only after the new one is complete. `sharded(tmp_dir) -> dict`:
     the optimizer lives on workers (`optimizer` is None) — they write their shards into the temp dir, and the
-    dict it returns (the scheduler's state) goes into `loop_state.pt`."""
+    dict it returns (the scheduler's state) goes into `loop_state.pt`. A model with LoRA adapters writes only them
+    (`adapter/`, PEFT's format; the optimizer state is the adapters' too): the frozen base is the stage's input."""
     root = Path(stage_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     with writing(tmp, f"checkpoint {final}"):
-        save_pretrained(model, tokenizer, tmp / "model")
+        if has_lora(model):
+            save_adapter(model, tmp / ADAPTER_DIR)
+        else:
+            save_pretrained(model, tokenizer, tmp / "model")
         remote = sharded(tmp) if sharded is not None else {}
         torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer is not None else None,
                     "scheduler": scheduler.state_dict() if scheduler is not None else remote.get("scheduler"),

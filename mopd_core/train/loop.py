@@ -34,6 +34,7 @@ from ..algorithms.logprobs import LogitTransform
 from ..models import (load_model, load_tokenizer, logit_transform, model_shape, save_pretrained, tokenizer_fingerprint,
                       unwrap)
 from ..models.chat import carry_chat_template
+from ..models.lora import ADAPTER_DIR, add_lora, load_adapter, merged_copy, refresh_merged, trainable_parameters
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
@@ -114,6 +115,10 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
     rt = recipe.runtime
     if loop_cfg.w_kd > 0 and has_teachers:
         check_objective(stage, loop_cfg, recipe)
+    if loop_cfg.lora is not None and rt.strategy != "single":
+        raise ConfigError(f"{stage}: {sec}.lora trains adapters in this process; runtime.strategy={rt.strategy} "
+                          f"does not carry them to the Ray workers — set runtime.strategy=single or remove "
+                          f"{sec}.lora")
     if rt.placement == "async":
         if recipe.rollout.backend != "served":
             raise ConfigError(f"{stage}: runtime.placement=async needs rollout.backend=served (the student "
@@ -254,19 +259,27 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                               f"more than the {loop_cfg.steps} asked for; ask for at least that many steps, restart "
                               f"the stage (`--restart`; in a Prefect flow `refresh`) or choose another name")
     st = load_loop_state(ckpts[-1]) if ckpts else {}  # optimizer + scheduler + step: read once
+    lora = loop_cfg.lora
     if ckpts:  # resume — also extends a finished stage when only `steps` grew
-        model_src = ckpts[-1] / "model"
+        # LoRA checkpoints hold only the adapter: the frozen base is the stage's input model
+        model_src = ckpts[-1] / "model" if lora is None else init_path
         start = st["step"]
     # float32 master weights whatever runtime.dtype (the compute dtype: autocast below, FSDP2's MixedPrecisionPolicy
     # in the workers); with a trainer this is the sampling copy, filled with the workers' float32 weights
     model = load_model(model_src, device, devlib.TRAIN_MASTER_DTYPE)
+    if lora is not None:
+        with torch.random.fork_rng(devices=[]):  # the adapters' init from (seed, stage), not the global RNG
+            torch.manual_seed(random.Random(f"{recipe.seed}/{stage}/lora").getrandbits(63))
+            add_lora(model, lora)
+        if ckpts:
+            load_adapter(model, ckpts[-1] / ADAPTER_DIR)
     model.train()
     if recipe.train.gradient_checkpointing and trainer is None:
         enable_gradient_checkpointing(model)
     amp = partial(devlib.autocast, dinfo.kind, recipe.runtime.dtype)  # a fresh context per use
     opt = sched = None
     if trainer is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
+        opt = torch.optim.AdamW(trainable_parameters(model), lr=loop_cfg.lr, betas=tuple(loop_cfg.betas),
                                 weight_decay=loop_cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop_cfg.warmup_steps))
         if ckpts:
@@ -283,14 +296,24 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                   if t.in_process}
     rt = recipe.runtime
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in trainable_parameters(model))
+    if lora is not None:
+        log.info("%s: LoRA r=%d alpha=%g on %s: %d trainable of %d parameters (%.2f %%)", stage, lora.r, lora.alpha,
+                 lora.target_modules or "all-linear", n_trainable, n_params, 100.0 * n_trainable / n_params)
     # the same rule as the pre-flight's: with FSDP2 CPU offload only the gathered units are on the device
     gathered = (fsdp_gathered_bytes(n_params, model_shape(unwrap(model).config.to_dict()),
                                     getattr(torch, rt.dtype).itemsize) if recipe.train.fsdp_cpu_offload else None)
+    # LoRA with the in-process engine: it samples from a plain copy holding the merged weights (refreshed before
+    # each rollout and eval) at the plain model's speed, not through the adapter matmuls of every layer; the vllm
+    # and served engines get the merged weights through their own hand-over (`lora.export_state_dict`)
+    merged_rollout = lora is not None and recipe.rollout.backend == "hf"
     check_colocated_fit(kind=dinfo.kind, limit_gib=rt.memory_limit_gib,
                         student_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                         optimizer_factor=2.0, teacher_bytes=in_process, teachers_offload=recipe.teachers.offload,
                         placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        driver_copy=trainer is not None, gathered=gathered)
+                        driver_copy=trainer is not None or merged_rollout, gathered=gathered,
+                        trainable_bytes=(sum(p.numel() * p.element_size() for p in trainable_parameters(model))
+                                         if lora is not None else None))
     try:
         if trainer is not None:
             desc = trainer.start(ckpts[-1] / "model" if ckpts else init_path,
@@ -301,12 +324,24 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             write_stage(stage_dir, rec)
         served = recipe.rollout.backend == "served"
         async_mode = recipe.runtime.placement == "async"
-        engine = build_rollout(recipe, model, tokenizer, device,
+        merged = merged_copy(model) if merged_rollout else None
+
+        def sampler():
+            """The module rollout and eval sample from: the trainer's, or the merged copy brought up to date."""
+            if merged is None:
+                return model
+            refresh_merged(merged, model)
+            return merged
+
+        engine = build_rollout(recipe, model if merged is None else merged, tokenizer, device,
                                **({"model_path": model_src, "run_dir": stage_dir / "rollout", "version": start}
                                   if served else {}))
+        if served and lora is not None and start > 0:  # the servers started on the base: the resumed merged weights
+            engine.sync_weights(model, version=start)
         # the served engine's weights are handed over by the loop itself, with the step as their version
+        # (the merged copy is refreshed by the loop: the scheduler's hand-over would swap in the trainer's module)
         phases = PhaseScheduler(kind=dinfo.kind, device=device, model=model, opt=opt,
-                                engine=None if served else engine, teachers=teachers,
+                                engine=None if served or merged is not None else engine, teachers=teachers,
                                 placement=recipe.runtime.placement, events_path=stage_dir / "phases.jsonl")
         metrics_path = stage_dir / "metrics.jsonl"
         timeline_path = stage_dir / "timeline.jsonl"  # when each step's phases ran (train.timeline)
@@ -402,6 +437,10 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                         rep = engine.sync_weights(model, version=step)
                         m.update({"perf/weight_sync_s": time.perf_counter() - t0,
                                   "weights/bytes_copied": float(rep["bytes_copied"])})
+                    elif merged is not None and step > start:  # the copy is current at the start
+                        t0 = time.perf_counter()
+                        m.update({"weights/bytes_copied": float(refresh_merged(merged, model)),
+                                  "perf/weight_sync_s": time.perf_counter() - t0})
                     produced = generate_step(step)
                     score_step(produced)
                 rng, batch, t_roll = produced.rng, produced.batch, produced.t_roll
@@ -505,7 +544,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 done = step + 1
                 if loop_cfg.eval_every and done % loop_cfg.eval_every == 0 and done < loop_cfg.steps:
                     with amp():
-                        last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new,
+                        last_eval = evaluate_model(sampler(), tokenizer, eval_domains, eval_cfg, device, eval_new,
                                                    recipe.seed, loop_cfg.eval_size, chat=recipe.data.chat)
                     for d, r in last_eval.items():
                         for k, v in r.items():
@@ -529,7 +568,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
 
         log.info("%s: %s", stage, phases.summary())
         with amp():
-            last_eval = evaluate_model(model, tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
+            last_eval = evaluate_model(sampler(), tokenizer, eval_domains, eval_cfg, device, eval_new, recipe.seed,
                                        loop_cfg.eval_size, chat=recipe.data.chat)
         final_dir = save_pretrained(model, tokenizer, stage_dir / "final")
         # the last checkpoint repeats final/ plus the optimizer state: raising `steps` later continues from it
@@ -540,7 +579,9 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                      "teacher_stats": teachers.stats() if teachers is not None else {},
                      "placement": {"mode": recipe.runtime.placement,
                                    "max_teachers_resident": phases.max_teachers_resident},
-                     **({"rollout": {"backend": "served", **engine.manifest(), **engine.stats}} if served else {})})
+                     **({"rollout": {"backend": "served", **engine.manifest(), **engine.stats}} if served else {}),
+                     **({"lora": {**lora.model_dump(mode="json"), "trainable_params": n_trainable,
+                                  "total_params": n_params}} if lora is not None else {})})
         write_stage(stage_dir, info)
         return LoopResult(final_dir, last_eval, history, start, stage_dir)
     finally:
