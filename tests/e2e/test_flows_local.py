@@ -124,6 +124,9 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
                                                         "expert": {"domains": ["math", "code"]}}},
         {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": ov,
                                                         "mopd": {"steps": -1}}},
+        {"op": "run", "flow": "expert-rl", "kwargs": {"config": "tiny", "overrides": ov, "domain": "math",
+                                                      "init": "models:/t-student/1", "round": 0}},
+        {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": ov + ["rounds=0"]}},
     ]
     acc = {"student": {"math": {"greedy": 0.50}, "code": {"greedy": 0.61}, "if": {"greedy": 0.70}},
            "champion": {"math": {"greedy": 0.75}, "code": {"greedy": 0.60}, "if": {"greedy": 0.70}}}
@@ -136,7 +139,7 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
     assert "-25.0 points" in champ["error"] and "'code'" not in champ["error"]
     assert any(a["key"] == "t-champion-deltas" for a in champ["flow_run"]["artifacts"])
     want = ["parameter 'config'", "parameter 'init'", "parameter 'init'", "parameter 'expert.domains'",
-            "parameter 'mopd'"]
+            "parameter 'mopd'", "parameter 'round'", "parameter 'overrides'"]
     for r, w in zip(res, want):
         assert not r["ok"]
         fr = r["flow_run"]
@@ -145,3 +148,4 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
         started = {t["name"] for t in fr["task_runs"]}
         assert not started & {"sft", "mopd", "expert-math", "open_recipe_run"}, started
     assert "have no expert" in res[3]["error"]
+    assert "rounds=0" in res[6]["error"] and "at least one round" in res[6]["error"]
