@@ -85,14 +85,52 @@ def run_one(args) -> int:
     return 0
 
 
+def partial_seed(out_dir: Path, seed: int) -> dict | None:
+    """What an unfinished seed's folders hold (`--collect`): each stage's status, steps and, when done, the
+    held-out greedy accuracy its stage.json recorded (the same `evaluate_checkpoint` the final table uses)."""
+    from mopd_core.recipe import recipe_plan, stage_dir, stage_label
+    from mopd_core.config import load_config
+    from mopd_core.train.checkpoint import checkpoint_dirs, checkpoint_step, read_stage
+
+    cfg = load_config("tiny", [f"output_dir={out_dir}", "rounds=2", f"seed={seed}", f"name=rounds-s{seed}"])
+    if not cfg.run_dir().exists():
+        return None
+    stages = {}
+    for st, _ in recipe_plan(cfg):
+        d = stage_dir(cfg, st)
+        info = read_stage(d) or {}
+        ck = checkpoint_dirs(d) if d.exists() else []
+        stages[stage_label(st)] = {"status": info.get("status", "not started"),
+                                   "step": info.get("steps") if info.get("status") == "done" else
+                                   (checkpoint_step(ck[-1]) if ck else 0),
+                                   "eval": {k: v.get("greedy") for k, v in (info.get("eval") or {}).items()}
+                                   if info.get("status") == "done" else {}}
+    return {"seed": seed, "partial": True, "stages": stages}
+
+
 def _mean_std(vals: list[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def partial_markdown(result: dict) -> str:
+    lines = []
+    for p in result.get("partial", []):
+        lines += ["", f"Seed {p['seed']} did not finish in the time available; its stages as its folders hold "
+                  "them (held-out greedy %, from each finished stage's stage.json):", "",
+                  "| stage | status | steps (last checkpoint) | math | code | if |", "|---|---|---:|---:|---:|---:|"]
+        for k, v in p["stages"].items():
+            ev = v["eval"]
+            lines.append(f"| {k} | {v['status']} | {v['step']} | "
+                         + " | ".join(f"{100 * ev[d]:.1f}" if ev.get(d) is not None else "–"
+                                      for d in ("math", "code", "if")) + " |")
+    return "\n".join(lines)
 
 
 def markdown(result: dict) -> str:
     per_seed, mach = result["per_seed"], result["machine"]
     if not per_seed:
-        return "# Multi-round MOPD benchmark\n\nNo seed finished.\n"
+        return ("# Multi-round MOPD benchmark (tiny, rounds=2)\n\nNo seed finished." + partial_markdown(result)
+                + "\n")
     domains = per_seed[0]["domains"]
     threads = sorted({s["torch_threads"] for s in per_seed})
     lines = ["# Multi-round MOPD benchmark (tiny, rounds=2)", "",
@@ -139,7 +177,7 @@ def markdown(result: dict) -> str:
     ok = [s["passed"] for s in per_seed]
     lines += ["", f"Result: {'PASS' if all(ok) else 'FAIL'} ({sum(ok)}/{len(ok)} seeds hold the bar)."
               + (f" Not run or not finished: seeds {result['missing']}." if result["missing"] else "")]
-    return "\n".join(lines)
+    return "\n".join(lines) + partial_markdown(result)
 
 
 def main(argv=None) -> int:
@@ -152,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default=str(ROOT / "runs" / "bench-rounds"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rounds.json"))
     ap.add_argument("--reuse", action="store_true", help="keep finished stages of earlier runs")
+    ap.add_argument("--collect", action="store_true", help="no training: write the results of the seeds' worker "
+                    "JSONs in --output-dir, and of unfinished seeds what their stage folders hold")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -163,6 +203,11 @@ def main(argv=None) -> int:
     load0 = round(os.getloadavg()[0], 2)
     pending, running, done = list(seeds), [], {}
     env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if args.collect:
+        for seed in seeds:
+            wout = out_dir / f"rounds_seed{seed}.json"
+            done[seed] = json.loads(wout.read_text()) if wout.exists() else None
+        pending = []
     while pending or running:
         while pending and len(running) < args.jobs:
             seed = pending.pop(0)
@@ -185,6 +230,7 @@ def main(argv=None) -> int:
               "round_student_init": args.round_student_init, "machine": machine_info(),
               "load_average_1m": {"start": load0, "end": round(os.getloadavg()[0], 2)},
               "missing": [s for s in seeds if not done.get(s)], "per_seed": per_seed,
+              "partial": [p for p in (partial_seed(out_dir, s) for s in seeds if not done.get(s)) if p],
               "passed": bool(per_seed) and all(s["passed"] for s in per_seed)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """`mopd` command line: run one stage or the whole recipe in one process.
 
-    mopd recipe --config tiny [--set mopd.steps=50 ...] [--restart] [--baseline]
+    mopd recipe --config tiny [--set mopd.steps=50 ...] [--restart] [--baseline]   (--set rounds=2: two MOPD rounds)
     mopd stage sft    --config tiny [--base PATH]
     mopd stage expert --config tiny --domain math --init runs/tiny/sft/final
     mopd stage mopd   --config tiny --init runs/tiny/sft/final --teacher math=PATH --teacher code=PATH ...
