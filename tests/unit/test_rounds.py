@@ -77,3 +77,17 @@ def test_rounds_leave_one_round_dumps_alone_and_bad_values_fail_in_one_line(cfgs
             load_config("tiny", tiny_overrides(tmp_path) + ov)
         msg = str(e.value)
         assert words in msg and "\n" not in msg, msg
+
+
+def test_cli_round_flag_errors_are_one_line(capsys, tmp_path):
+    from mopd_core.cli import main
+
+    sets = [a for o in tiny_overrides(tmp_path) for a in ("--set", o)]
+    assert main(["stage", "eval", *sets, "--model", "a=b", "--round", "2"]) == 2
+    assert "--round is no option of `mopd stage eval`" in capsys.readouterr().err
+    assert main(["stage", "expert", *sets, "--domain", "math", "--init", str(tmp_path), "--round", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --round 0") and "\n" not in err
+    assert main(["recipe", *sets, "--set", "rounds=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rounds=0" in err and "\n" not in err
