@@ -6,16 +6,27 @@ from __future__ import annotations
 
 from prefect import flow
 
+from mopd_core.recipe import round_prefix, stage_label
+
 from flows.params import (EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams, SFTParams,
                           TeachersParams, TrainParams, section_dict)
 from tasks.common import ParameterError, adhoc_config
 from tasks.runs import close_recipe_run, open_recipe_run, validate_parameters
-from tasks.stages import evaluate_task, expert_task, mopd_task, sft_task
+from tasks.stages import evaluate_task, expert_task, mopd_task, round_lineage, sft_task
 from tasks.teachers import keep_teachers_task, serve_teachers_task, stop_teachers
 
 
 def _top(name, seed, output_dir) -> dict:
     return {"name": name, "seed": seed, "output_dir": output_dir}
+
+
+def _round_stage(stage: str, rnd: int) -> str:
+    """A later MOPD round's stage string (`expert:math@r2`, `mopd@r2`): registered as `<name>-r2-…`."""
+    from mopd_core.recipe import round_stage
+
+    if not isinstance(rnd, int) or rnd < 1:
+        raise ParameterError(f"parameter 'round': {rnd!r} — give the MOPD round this stage belongs to (1, 2, …)")
+    return round_stage(stage, rnd)
 
 
 def _in_parent(cfg, flow_name: str, body, params: dict):
@@ -50,8 +61,12 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
                    name: str | None = None, seed: int | None = None, output_dir: str | None = None,
                    runtime: RuntimeParams = RuntimeParams(), expert: ExpertParams = ExpertParams(),
                    rollout: RolloutParams = RolloutParams(), eval: EvalParams = EvalParams(),  # noqa: A002
-                   refresh: bool = False, train: TrainParams = TrainParams()) -> dict:
-    """`domain`: one of the recipe's domains; `init`: the SFT model reference."""
+                   refresh: bool = False, train: TrainParams = TrainParams(),
+                   round: int = 1) -> dict:  # noqa: A002 - the recipe's word for it
+    """`domain`: one of the recipe's domains; `init`: the SFT model reference (round ≥ 2: the previous round's
+    student, e.g. `models:/<name>-student/1`); `round`: the MOPD round the expert belongs to — round ≥ 2 is
+    registered as `<name>-r<round>-expert-<domain>`, tagged `mopd.round` and `mopd.parent` (= `init`)."""
+    stage = _round_stage(f"expert:{domain}", round)  # before anything else runs
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, expert=expert, rollout=rollout,
                                                    eval=eval, train=train).items()}
     cfg, refs, _ = validate_parameters("expert-rl", config, overrides, sections, _top(name, seed, output_dir),
@@ -59,10 +74,11 @@ def expert_rl_flow(domain: str, init: str, config: str = "tiny", overrides: list
     if domain not in cfg.domain_names():
         raise ParameterError(f"parameter 'domain': '{domain}' is no domain of the recipe; known: "
                              f"{cfg.domain_names()}")
-    cfg = adhoc_config(cfg, f"expert:{domain}", refs)
+    cfg = adhoc_config(cfg, stage, refs)
+    kw = {"lineage": round_lineage(stage, refs["init"])} if round > 1 else {}
     return _in_parent(cfg, "expert-rl", lambda parent: expert_task.with_options(
-        task_run_name=f"expert-{domain}").submit(f"expert:{domain}", cfg, refs, parent, refresh).result(),
-        {"input.init": init, "domain": domain})
+        task_run_name=stage_label(stage)).submit(stage, cfg, refs, parent, refresh, **kw).result(),
+        {"input.init": init, "domain": domain, **({"round": round} if round > 1 else {})})
 
 
 @flow(name="serve-teachers",
@@ -124,27 +140,32 @@ def mopd_flow(init: str, teacher_refs: dict[str, str], config: str = "tiny", ove
               runtime: RuntimeParams = RuntimeParams(), mopd: MOPDParams = MOPDParams(),
               teachers: TeachersParams = TeachersParams(), rollout: RolloutParams = RolloutParams(),
               eval: EvalParams = EvalParams(), refresh: bool = False,  # noqa: A002
-              train: TrainParams = TrainParams()) -> dict:
+              train: TrainParams = TrainParams(), round: int = 1) -> dict:  # noqa: A002 - the recipe's word
     """`init`: the student's starting model (usually `models:/<name>-sft@...`); `teacher_refs`:
     {domain: expert model reference}. With `teachers.backend: http` the run starts the teachers' vLLM servers
-    (serve_teachers) before the stage and stops them after it, also when it fails; none when the stage is reused."""
+    (serve_teachers) before the stage and stops them after it, also when it fails; none when the stage is reused.
+    `round` ≥ 2: a later MOPD round's student (`init` = the previous round's student, teachers = that round's
+    experts), registered as `<name>-r<round>-student`, tagged `mopd.round` and `mopd.parent` (= `init`)."""
+    stage = _round_stage("mopd", round)  # before anything else runs
     sections = {k: section_dict(v) for k, v in dict(runtime=runtime, mopd=mopd, teachers=teachers,
                                                    rollout=rollout, eval=eval, train=train).items()}
     cfg, refs, trefs = validate_parameters("mopd", config, overrides, sections, _top(name, seed, output_dir),
                                            refs={"init": init}, teacher_refs=teacher_refs)
     inputs = {"init": refs["init"], **{f"teacher.{d}": r for d, r in trefs.items()}}
-    cfg = adhoc_config(cfg, "mopd", inputs)
+    cfg = adhoc_config(cfg, stage, inputs)
+    later = {"stage": stage} if round > 1 else {}
+    kw = {"lineage": round_lineage(stage, refs["init"])} if round > 1 else {}
 
     def body(parent):
-        served = serve_teachers_task(cfg, trefs, refs["init"], parent, refresh)
+        served = serve_teachers_task(cfg, trefs, refs["init"], parent, refresh, **later)
         try:
             inputs2 = {"init": refs["init"], **{f"teacher.{d}": r for d, r in served["teachers"].items()}}
-            return mopd_task.with_options(task_run_name="mopd").submit(
-                "mopd", cfg, inputs2, parent, refresh, endpoints=served["manifest"]).result()
+            return mopd_task.with_options(task_run_name=round_prefix(round) + "mopd").submit(
+                stage, cfg, inputs2, parent, refresh, endpoints=served["manifest"], **kw).result()
         finally:
             stop_teachers(served)  # every server it started, also when the stage failed
 
-    return _in_parent(cfg, "mopd", body, {"input.init": init,
+    return _in_parent(cfg, "mopd", body, {"input.init": init, **({"round": round} if round > 1 else {}),
                                           **{f"input.teacher.{k}": v for k, v in teacher_refs.items()}})
 
 

@@ -1,8 +1,9 @@
 """`mopd` command line: run one stage or the whole recipe in one process.
 
-    mopd recipe --config tiny [--set mopd.steps=50 ...] [--restart] [--baseline]
+    mopd recipe --config tiny [--set mopd.steps=50 ...] [--restart] [--baseline]   (--set rounds=2: two MOPD rounds)
     mopd stage sft    --config tiny [--base PATH]
     mopd stage expert --config tiny --domain math --init runs/tiny/sft/final
+    mopd stage expert --config tiny --domain math --init runs/tiny/student/final --round 2   (a later MOPD round)
     mopd stage mopd   --config tiny --init runs/tiny/sft/final --teacher math=PATH --teacher code=PATH ...
     mopd stage eval   --config tiny --model sft=PATH --model student=PATH [--out DIR]
     mopd config show  --config tiny [--set ...]
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init", help="expert/mopd: the initial model (checkpoint dir)")
     s.add_argument("--teacher", action="append", default=[], metavar="ID=PATH", help="mopd: a teacher")
     s.add_argument("--model", action="append", default=[], metavar="LABEL=PATH", help="eval: a model")
+    s.add_argument("--round", type=int, default=None, metavar="R", help="expert/mopd: the MOPD round the stage "
+                   "belongs to (R ≥ 2 writes <run_dir>/rR/…, e.g. an expert from round R−1's student)")
     s.add_argument("--out", default=None, metavar="DIR", help="eval: write accuracy.{md,json,png} and "
                    "eval_rows.jsonl (every completion, its extracted answer and reward) there")
     c = sub.add_parser("config", help="show the resolved config")
@@ -98,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-_STAGE_FLAGS = {"sft": ("base",), "expert": ("domain", "init"), "mopd": ("init", "teacher"), "eval": ("model",),
-                "all": ("base", "domain", "init", "teacher", "model")}
+_STAGE_FLAGS = {"sft": ("base",), "expert": ("domain", "init", "round"), "mopd": ("init", "teacher", "round"),
+                "eval": ("model",), "all": ("base", "domain", "init", "teacher", "model", "round")}
 
 
 def _run(args) -> int:
@@ -116,7 +119,7 @@ def _run(args) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
     if args.cmd == "stage":  # the command line itself, checked before anything is set up
-        given = [k for k in _STAGE_FLAGS["all"] if getattr(args, k)]
+        given = [k for k in _STAGE_FLAGS["all"] if getattr(args, k) not in (None, [], "")]
         wrong = [k for k in given if k not in _STAGE_FLAGS[args.stage]]
         if wrong:  # silently ignoring e.g. `--teacher` on `stage eval` would run something else than asked
             takes = ", ".join(f"--{k}" for k in _STAGE_FLAGS[args.stage])
@@ -128,6 +131,8 @@ def _run(args) -> int:
             raise ConfigError("mopd stage mopd needs --init PATH and one --teacher ID=PATH per domain")
         if args.stage == "eval" and not models:
             raise ConfigError("mopd stage eval needs at least one --model LABEL=PATH")
+        if args.round is not None and args.round < 1:
+            raise ConfigError(f"--round {args.round}: give the MOPD round the stage belongs to (1, 2, …)")
     from . import recipe as R
 
     R.setup_runtime(cfg)
@@ -140,9 +145,9 @@ def _run(args) -> int:
     if args.stage == "sft":
         out = R.sft_stage(cfg, args.base, progress)
     elif args.stage == "expert":
-        out = R.expert_stage(cfg, args.domain, args.init, progress)
+        out = R.expert_stage(cfg, args.domain, args.init, progress, rnd=args.round or 1)
     elif args.stage == "mopd":
-        out = R.mopd_stage(cfg, args.init, teachers, progress)
+        out = R.mopd_stage(cfg, args.init, teachers, progress, rnd=args.round or 1)
     else:
         rep = R.eval_stage(cfg, models, args.out)
         print(rep.table)

@@ -551,6 +551,18 @@ class RecipeConfig(_Model):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", exclude_if=lambda v: v == AsyncConfig(),
                                 description="Asynchronous pipeline (runtime.placement=async).")
+    # Multi-round MOPD (Nemotron 3 Ultra): left out of dumps at their defaults, so a one-round config reads, logs
+    # and hashes as before these fields existed
+    rounds: int = Field(1, exclude_if=lambda v: v == 1,
+                        description="MOPD rounds. Round 1 is sft → experts → student; each round r ≥ 2 re-trains "
+                        "every expert by expert RL from round r−1's student and distils a new student from them "
+                        "(written under <output_dir>/<name>/r<r>/, registered as <name>-r<r>-expert-<domain> and "
+                        "<name>-r<r>-student). 1 = the single-round recipe.")
+    round_student_init: Literal["sft", "previous"] | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="Where the student of round r ≥ 2 starts: `previous` = round r−1's student (continued), "
+                    "`sft` = the SFT model (a fresh student distilled from the new experts). Empty = previous; "
+                    "only meaningful with rounds ≥ 2.")
 
     @model_validator(mode="after")
     def _cross(self) -> "RecipeConfig":
@@ -566,7 +578,17 @@ class RecipeConfig(_Model):
         for k in self.teachers.mixture_weights or {}:
             if k not in names:
                 raise ValueError(f"teachers.mixture_weights names unknown teacher '{k}'; known: {sorted(names)}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds}: the recipe needs at least one round; set rounds=1 (one MOPD "
+                             "round) or more")
+        if self.rounds == 1 and self.round_student_init is not None:
+            raise ValueError(f"round_student_init={self.round_student_init} has no effect with rounds=1 (round 1's "
+                             "student always starts from SFT); set rounds ≥ 2 or remove round_student_init")
         return self
+
+    def student_init_of_round(self) -> str:
+        """`round_student_init` with its default: where a round r ≥ 2 student starts (`sft` | `previous`)."""
+        return self.round_student_init or "previous"
 
     def domain_names(self) -> list[str]:
         return [d.name for d in self.data.domains]

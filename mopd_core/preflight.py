@@ -54,12 +54,13 @@ class _Model:
 def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
                 teachers: Mapping[str, str | Path] | None = None, models: Mapping[str, str | Path] | None = None,
                 domains: Mapping[str, Any] | None = None, endpoints: Any = None,
-                benchmarks: Mapping[str, Any] | None = None) -> None:
+                benchmarks: Mapping[str, Any] | None = None, stage_dir: Path | None = None) -> None:
     """Pre-flight of one stage. `stage`: "recipe", "sft", "expert-<domain>", "eval", or a mopd stage's name
     ("student", "grpo-baseline"). `student`: the model it starts from (sft: the base; None = `model.base`);
     `teachers` (mopd) and `models` (eval): {name: checkpoint}; `domains`: the built domains (else built here);
     `endpoints`: teachers already served (their checkpoints are not loaded here); `benchmarks` (eval, recipe):
-    {domain: `evaluation.load_benchmarks(...)`} already loaded (else loaded here). Raises a `MopdError`."""
+    {domain: `evaluation.load_benchmarks(...)`} already loaded (else loaded here); `stage_dir`: the folder the stage
+    writes when not `<run_dir>/<stage>` (a later round's stages). Raises a `MopdError`."""
     from .runtime import device as devlib
 
     dinfo = devlib.resolve(recipe.runtime.device)  # a device this host lacks: PlacementError, now
@@ -100,7 +101,8 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
     _check_prompts(recipe, _tokenizer(stu), domains)
     if stage == "recipe":  # a bad benchmark file fails now, not after hours of training
         _check_benchmarks(recipe, _tokenizer(stu), [stu], benchmarks)
-    stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
+    if stage_dir is None:
+        stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
     _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
 
 

@@ -195,7 +195,15 @@ def async_fingerprint_part(recipe: RecipeConfig) -> list[dict]:
     return [{"async": recipe.async_.model_dump(include={"max_staleness", "is_cap", "is_mode"})}]
 
 
-def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
+def round_fingerprint_part(rnd: int) -> list[dict]:
+    """A round r ≥ 2 stage samples under another stage name (`r2-expert-math`: the loop draws its prompts and
+    samples from (seed, stage name, step)), so its round is part of its identity; round 1 adds nothing and keeps
+    every fingerprint it had before rounds existed. The parent's identity comes in through the input model
+    (`model_ref_id` of round r−1's student holds that stage's fingerprint)."""
+    return [{"round": rnd}] if rnd > 1 else []
+
+
+def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str, rnd: int = 1) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
@@ -203,10 +211,10 @@ def _expert_fp(recipe: RecipeConfig, domain: str, init_id: str) -> str:
                              recipe.rollout,
                              cfg.model_dump(exclude={"domains"} | TRAJECTORY_FREE), recipe.eval, init_id,
                              train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe),
-                             *async_fingerprint_part(recipe))
+                             *async_fingerprint_part(recipe), *round_fingerprint_part(rnd))
 
 
-def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) -> str:
+def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str], rnd: int = 1) -> str:
     from .train.loop import TRAJECTORY_FREE
 
     return stage_fingerprint("mopd", recipe.seed, recipe.runtime.dtype, data_fingerprint_part(recipe),
@@ -215,7 +223,7 @@ def _mopd_fp(recipe: RecipeConfig, init_id: str, teacher_ids: dict[str, str]) ->
                              recipe.mopd.model_dump(exclude=TRAJECTORY_FREE), recipe.eval,
                              init_id, recipe.teachers.endpoints or dict(sorted(teacher_ids.items())),
                              train_fingerprint_part(recipe), *behaviour_fingerprint_part(recipe),
-                             *async_fingerprint_part(recipe))
+                             *async_fingerprint_part(recipe), *round_fingerprint_part(rnd))
 
 
 def _eval_fp(recipe: RecipeConfig, model_ids: dict[str, str]) -> str:
@@ -236,48 +244,118 @@ def sft_fingerprint(recipe: RecipeConfig, base: str | Path) -> str:
     return _sft_fp(recipe, base_identity(recipe, base))
 
 
-def expert_fingerprint(recipe: RecipeConfig, domain: str, init: str | Path) -> str:
-    return _expert_fp(recipe, domain, model_ref_id(init))
+def expert_fingerprint(recipe: RecipeConfig, domain: str, init: str | Path, rnd: int = 1) -> str:
+    return _expert_fp(recipe, domain, model_ref_id(init), rnd)
 
 
-def mopd_fingerprint(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path]) -> str:
-    return _mopd_fp(recipe, model_ref_id(student_init), {k: model_ref_id(v) for k, v in teachers.items()})
+def mopd_fingerprint(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
+                     rnd: int = 1) -> str:
+    return _mopd_fp(recipe, model_ref_id(student_init), {k: model_ref_id(v) for k, v in teachers.items()}, rnd)
 
 
 @dataclass(frozen=True)
 class StageIdentity:
     """What a stage's result is (fingerprint + the step count it trains to) and where it lives."""
-    stage: str          # sft | expert-<domain> | student | evaluate
+    stage: str          # sft | expert-<domain> | student | evaluate; round r ≥ 2: r<r>-expert-<domain> | r<r>-student
     fingerprint: str
     steps: int | None   # None for evaluate
     stage_dir: Path
 
 
+# ---------------------------------------------------------------- rounds (multi-round MOPD)
+# A stage string names a stage of one round: "sft", "expert:<domain>", "mopd", "evaluate" are round 1 (the
+# single-round recipe, its folders, labels and fingerprints exactly as before rounds existed); "expert:<domain>@r2"
+# and "mopd@r2" are round 2's. Round r ≥ 2 lives in `<run_dir>/r<r>/` and its labels (MLflow run names, registered
+# models `<name>-<label>`, accuracy-table rows) carry the prefix `r<r>-`.
+
+
+def parse_stage(stage: str) -> tuple[str, str, int]:
+    """"expert:math@r2" → ("expert", "math", 2); "mopd" → ("mopd", "", 1)."""
+    body, sep, r = stage.partition("@r")
+    kind, _, domain = body.partition(":")
+    if kind not in ("sft", "expert", "mopd", "evaluate") or (sep and (not r.isdigit() or int(r) < 2
+                                                                      or kind not in ("expert", "mopd"))):
+        raise ValueError(f"unknown stage {stage!r}")  # a caller's bug, not user input
+    return kind, domain, int(r) if sep else 1
+
+
+def round_stage(stage: str, rnd: int) -> str:
+    """The stage string of `stage` ("expert:<domain>", "mopd") in round `rnd`."""
+    return stage if rnd == 1 else f"{stage}@r{rnd}"
+
+
+def round_prefix(rnd: int) -> str:
+    return "" if rnd == 1 else f"r{rnd}-"
+
+
+def round_dir(recipe: RecipeConfig, rnd: int) -> Path:
+    """Where round `rnd`'s experts and student live: the run folder itself for round 1, else `<run_dir>/r<rnd>`."""
+    return recipe.run_dir() if rnd == 1 else recipe.run_dir() / f"r{rnd}"
+
+
+def stage_label(stage: str) -> str:
+    """How a stage is named in folders, tables, MLflow runs and registered models (`<name>-<label>`):
+    sft, expert-math, student; round 2: r2-expert-math, r2-student."""
+    kind, domain, rnd = parse_stage(stage)
+    base = {"sft": "sft", "expert": f"expert-{domain}", "mopd": "student", "evaluate": "evaluate"}[kind]
+    return round_prefix(rnd) + base
+
+
+def expert_init_stage(rnd: int) -> str:
+    """The model round `rnd`'s experts start from: SFT in round 1, else round rnd−1's student."""
+    return "sft" if rnd == 1 else round_stage("mopd", rnd - 1)
+
+
+def student_init_stage(recipe: RecipeConfig, rnd: int) -> str:
+    """The model round `rnd`'s student starts from: SFT in round 1; later rounds per `round_student_init`."""
+    if rnd == 1 or recipe.student_init_of_round() == "sft":
+        return "sft"
+    return round_stage("mopd", rnd - 1)
+
+
+def recipe_plan(recipe: RecipeConfig) -> list[tuple[str, dict[str, str]]]:
+    """The training stages in the order they run, each with its inputs as stage strings: `init` and, for a
+    student, `teacher.<domain>` (SFT's base model is implicit). One round: sft, experts, mopd — as before."""
+    plan: list[tuple[str, dict[str, str]]] = [("sft", {})]
+    for rnd in range(1, recipe.rounds + 1):
+        experts = {d: round_stage(f"expert:{d}", rnd) for d in recipe.expert_domains()}
+        plan += [(s, {"init": expert_init_stage(rnd)}) for s in experts.values()]
+        plan.append((round_stage("mopd", rnd), {"init": student_init_stage(recipe, rnd),
+                                                 **{f"teacher.{d}": s for d, s in experts.items()}}))
+    return plan
+
+
+def last_student_label(recipe: RecipeConfig) -> str:
+    """The label of the recipe's final student (what the nightly champion comparison judges)."""
+    return stage_label(round_stage("mopd", recipe.rounds))
+
+
 def stage_dir(recipe: RecipeConfig, stage: str) -> Path:
-    """The folder a stage ("sft", "expert:<domain>", "mopd", "evaluate") writes: `<output_dir>/<name>/<label>`."""
-    kind, _, domain = stage.partition(":")
-    label = {"sft": "sft", "expert": f"expert-{domain}", "mopd": "student", "evaluate": ""}.get(kind)
-    if label is None:
-        raise ValueError(f"unknown stage kind {stage!r}")  # a caller's bug, not user input
-    return recipe.run_dir() / label if label else recipe.run_dir()
+    """The folder a stage ("sft", "expert:<domain>", "mopd", "evaluate", "expert:<domain>@r2", "mopd@r2") writes:
+    `<output_dir>/<name>/<label>`, round r ≥ 2 in `<output_dir>/<name>/r<r>/<label without the prefix>`."""
+    kind, domain, rnd = parse_stage(stage)
+    if kind == "evaluate":
+        return recipe.run_dir()
+    return round_dir(recipe, rnd) / stage_label(stage).removeprefix(round_prefix(rnd))
 
 
 def stage_identity(recipe: RecipeConfig, stage: str, input_ids: dict[str, str]) -> StageIdentity:
-    """The identity of `stage` ("sft", "expert:<domain>", "mopd", "evaluate") from its inputs' identities
-    (`model_ref_id` of each input: `base`/`init`, `teacher.<domain>`, or eval labels). Paths and cadence
-    fields (save/eval/logging intervals, timeouts, ports) are no part of it; `steps` is kept apart because
-    raising it continues the stage (same fingerprint) rather than starting another."""
-    kind, _, domain = stage.partition(":")
+    """The identity of `stage` ("sft", "expert:<domain>", "mopd", "evaluate", or a later round's
+    "expert:<domain>@r<r>", "mopd@r<r>") from its inputs' identities (`model_ref_id` of each input: `base`/`init`,
+    `teacher.<domain>`, or eval labels). Paths and cadence fields (save/eval/logging intervals, timeouts, ports)
+    are no part of it; `steps` is kept apart because raising it continues the stage (same fingerprint) rather
+    than starting another."""
+    kind, domain, rnd = parse_stage(stage)
     where = stage_dir(recipe, stage)
+    label = stage_label(stage)
     if kind == "sft":
         base = input_ids.get("base") or base_identity(recipe)
         return StageIdentity("sft", _sft_fp(recipe, base), recipe.sft.steps, where)
     if kind == "expert":
-        return StageIdentity(f"expert-{domain}", _expert_fp(recipe, domain, input_ids["init"]),
-                             recipe.expert.steps, where)
+        return StageIdentity(label, _expert_fp(recipe, domain, input_ids["init"], rnd), recipe.expert.steps, where)
     if kind == "mopd":
         teachers = {k.split(".", 1)[1]: v for k, v in input_ids.items() if k.startswith("teacher.")}
-        return StageIdentity("student", _mopd_fp(recipe, input_ids["init"], teachers), recipe.mopd.steps, where)
+        return StageIdentity(label, _mopd_fp(recipe, input_ids["init"], teachers, rnd), recipe.mopd.steps, where)
     return StageIdentity("evaluate", _eval_fp(recipe, dict(input_ids)), None, where)
 
 
@@ -310,24 +388,26 @@ def policy_trainer(recipe: RecipeConfig, loop_cfg, stage: str):
     return RayPolicyTrainer(recipe, loop_cfg, stage)
 
 
-def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True) -> StageOutput:
-    """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting)."""
+def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: bool = True,
+                 rnd: int = 1) -> StageOutput:
+    """GRPO on one domain's prompts, reward = its verifier; evaluated on every domain (to see forgetting).
+    `rnd` ≥ 2: the expert of that round (`init` = round rnd−1's student), in `<run_dir>/r<rnd>/expert-<domain>`."""
     from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
     all_domains = build_domains(recipe)
     if domain not in all_domains:
         raise ConfigError(f"expert domain '{domain}' is not in data.domains; known: {sorted(all_domains)}")
-    preflight.check_stage(recipe, f"expert-{domain}", student=init, domains=all_domains)
+    stage = round_stage(f"expert:{domain}", rnd)
+    name, where = stage_label(stage), stage_dir(recipe, stage)
+    preflight.check_stage(recipe, f"expert-{domain}", student=init, domains=all_domains, stage_dir=where)
     cfg = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})
-    fp = expert_fingerprint(recipe, domain, init)
-    name = f"expert-{domain}"
+    fp = expert_fingerprint(recipe, domain, init, rnd)
     res = run_policy_loop(stage=name, loop_cfg=cfg, recipe=recipe, init_path=init,
                           domains={domain: all_domains[domain]}, eval_domains=all_domains,
-                          stage_dir=recipe.run_dir() / name, fingerprint=fp, progress=progress,
+                          stage_dir=where, fingerprint=fp, progress=progress,
                           trainer=policy_trainer(recipe, cfg, name))
-    return StageOutput(name, res.final_dir, recipe.run_dir() / name, res.eval, time.perf_counter() - t0,
-                       res.history)
+    return StageOutput(name, res.final_dir, where, res.eval, time.perf_counter() - t0, res.history)
 
 
 # TeachersConfig fields that change the teacher signal (the rest — pools, timeouts, ports — only change how it
@@ -337,42 +417,44 @@ TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights"
 
 
 def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
-                    stage_name: str = "student") -> dict | None:
+                    stage_name: str = "student", rnd: int = 1) -> dict | None:
     """The record of this mopd stage when its folder (or the one set aside for its fingerprint) already holds it
     finished with the configured steps: running it again would only reuse it — no teachers are needed."""
     from .train.checkpoint import stage_done
 
-    return stage_done(recipe.run_dir() / stage_name, mopd_fingerprint(recipe, student_init, teachers),
+    return stage_done(round_dir(recipe, rnd) / stage_name, mopd_fingerprint(recipe, student_init, teachers, rnd),
                       recipe.mopd.steps)
 
 
 def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
-               progress: bool = True, stage_name: str = "student", endpoints=None) -> StageOutput:
+               progress: bool = True, stage_name: str = "student", endpoints=None, rnd: int = 1) -> StageOutput:
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
     its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D. With `teachers.backend: http` the teachers are
     `endpoints` (already running: a `serving.TeacherServers` — supervised, dead servers are restarted — or an
     endpoint manifest path/dict; nothing is started or stopped), else `teachers.endpoints`, else vLLM servers
     started here and stopped when the stage ends (also on failure). A stage already finished with this
     fingerprint and step count is returned as it is, before any teacher is loaded or served.
-    `StageOutput.teachers` is the teachers' manifest at the end (http: url, model, restarts, …)."""
+    `StageOutput.teachers` is the teachers' manifest at the end (http: url, model, restarts, …). `rnd` ≥ 2: the
+    student of that round, in `<run_dir>/r<rnd>/<stage_name>`, labelled `r<rnd>-<stage_name>`."""
     from .teachers.lifecycle import open_teachers
     from .train.checkpoint import claim_stage
     from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
     domains = build_domains(recipe)
-    fp = mopd_fingerprint(recipe, student_init, teachers)
-    stage_dir = recipe.run_dir() / stage_name
-    done = mopd_stage_done(recipe, student_init, teachers, stage_name)
+    fp = mopd_fingerprint(recipe, student_init, teachers, rnd)
+    stage_dir = round_dir(recipe, rnd) / stage_name
+    label = round_prefix(rnd) + stage_name
+    done = mopd_stage_done(recipe, student_init, teachers, stage_name, rnd)
     if done is not None:
         claim_stage(stage_dir, fp)  # brings back a folder set aside for this fingerprint; else a no-op
-        log.info("%s: already finished (%s steps, fingerprint %s) in %s — reused, no teachers started", stage_name,
+        log.info("%s: already finished (%s steps, fingerprint %s) in %s — reused, no teachers started", label,
                  done.get("steps"), fp, stage_dir)
-        return StageOutput(stage_name, stage_dir / "final", stage_dir, done.get("eval", {}),
+        return StageOutput(label, stage_dir / "final", stage_dir, done.get("eval", {}),
                            time.perf_counter() - t0, [])
     preflight.check_stage(recipe, stage_name, student=student_init, teachers=teachers, domains=domains,
-                          endpoints=endpoints)
-    trainer = policy_trainer(recipe, recipe.mopd, stage_name)
+                          endpoints=endpoints, stage_dir=stage_dir)
+    trainer = policy_trainer(recipe, recipe.mopd, label)
     local = None
     if recipe.mopd.w_kd > 0 and recipe.teachers.placement == "workers":  # on the trainers' devices
         from .distributed.teachers import worker_teachers
@@ -382,7 +464,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     ts = (open_teachers(recipe, teachers, student_init, stage_dir, endpoints=endpoints, local=local)
           if recipe.mopd.w_kd > 0 else None)
     try:
-        res = run_policy_loop(stage=stage_name, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
+        res = run_policy_loop(stage=label, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
                               domains=domains, eval_domains=domains, stage_dir=stage_dir,
                               fingerprint=fp, teachers=ts.router if ts is not None else None, progress=progress,
                               trainer=trainer)
@@ -390,7 +472,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     finally:
         if ts is not None:
             ts.close()  # the scorers' clients; the servers only when this stage started them
-    return StageOutput(stage_name, res.final_dir, stage_dir, res.eval, time.perf_counter() - t0, res.history,
+    return StageOutput(label, res.final_dir, stage_dir, res.eval, time.perf_counter() - t0, res.history,
                        teachers=manifest)
 
 
@@ -428,7 +510,9 @@ def eval_stage(recipe: RecipeConfig, models: dict[str, str | Path], out_dir: str
 
 def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = False,
                baseline: bool = False) -> RecipeResult:
-    """sft → one expert per domain → mopd (student from sft, teachers = experts) → evaluate."""
+    """sft → one expert per domain → mopd (student from sft, teachers = experts) → evaluate. With `rounds` ≥ 2
+    each later round re-trains every expert from the previous round's student and distils a new student from
+    them (`recipe_plan`); every model of every round is evaluated (one table row each)."""
 
     setup_runtime(recipe)
     run_dir = recipe.run_dir()
@@ -441,13 +525,17 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
     base = base_model(recipe)
     outputs["sft"] = sft_stage(recipe, base, progress)
     log.info("sft done in %.0fs", outputs["sft"].wall_s)
-    for d in recipe.expert_domains():
-        out = expert_stage(recipe, d, outputs["sft"].model_dir, progress)
-        outputs[out.stage] = out
+    done = {"sft": outputs["sft"]}  # by stage string
+    for stage, inputs in recipe_plan(recipe)[1:]:
+        kind, domain, rnd = parse_stage(stage)
+        init = done[inputs["init"]].model_dir
+        if kind == "expert":
+            out = expert_stage(recipe, domain, init, progress, rnd=rnd)
+        else:
+            teachers = {k.split(".", 1)[1]: done[v].model_dir for k, v in inputs.items() if k.startswith("teacher.")}
+            out = mopd_stage(recipe, init, teachers, progress, rnd=rnd)
+        done[stage] = outputs[out.stage] = out
         log.info("%s done in %.0fs", out.stage, out.wall_s)
-    teachers = {d: outputs[f"expert-{d}"].model_dir for d in recipe.expert_domains()}
-    outputs["student"] = mopd_stage(recipe, outputs["sft"].model_dir, teachers, progress)
-    log.info("student done in %.0fs", outputs["student"].wall_s)
     if baseline:
         outputs["grpo-baseline"] = grpo_baseline_stage(recipe, outputs["sft"].model_dir, progress)
     te = time.perf_counter()

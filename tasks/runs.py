@@ -98,7 +98,10 @@ def validate_parameters(flow: str, config: str, overrides: list[str] | None, sec
         check_teacher_domains(cfg, list(teachers), "teacher_refs")
     if flow == "full-recipe":
         check_teacher_domains(cfg, cfg.expert_domains(), "expert.domains")
-    stages = {"sft", "student", "evaluate", "all", *[f"expert-{d}" for d in cfg.domain_names()]}
+    from mopd_core.recipe import recipe_plan, stage_label
+
+    stages = {"sft", "student", "evaluate", "all", *[f"expert-{d}" for d in cfg.domain_names()],
+              *[stage_label(s) for s, _ in recipe_plan(cfg)]}  # a later round's r<r>-expert-<d>, r<r>-student
     for r in refresh or []:
         if r not in stages:
             raise ParameterError(f"parameter 'refresh': unknown stage '{r}'; use any of {sorted(stages)}")
@@ -190,17 +193,21 @@ def _pct(v: float | None) -> float:
 
 @task(name="find_champion")
 def find_champion(cfg, alias: str) -> dict | None:
-    name = tracking.registered_name(cfg.name, "student")
+    """`<name>-student@alias`; with R ≥ 2 rounds the last round's `<name>-r<R>-student@alias` (a champion is a
+    student of as many rounds)."""
+    from mopd_core.recipe import last_student_label
+
+    name = tracking.registered_name(cfg.name, last_student_label(cfg))
     v = tracking.alias_version(name, alias)
     return {"ref": f"models:/{name}/{v}", "path": None} if v else None
 
 
 @task(name="compare_to_champion")
 def compare_to_champion(cfg, parent_run_id: str, accuracy: dict, student_ref: str, champion_ref: str | None,
-                        tolerance: float, promote: bool, alias: str) -> dict:
+                        tolerance: float, promote: bool, alias: str, student_label: str = "student") -> dict:
     """Per-domain deltas of the new student against the champion (evaluated on the same held-out prompts in
     this run). A drop beyond `tolerance` fails the run naming domain and delta; otherwise the new student
-    becomes the champion."""
+    becomes the champion. `student_label`: the accuracy row judged — the last round's student."""
     from prefect.artifacts import create_table_artifact
 
     from mopd_core.evaluation import domain_value
@@ -208,10 +215,10 @@ def compare_to_champion(cfg, parent_run_id: str, accuracy: dict, student_ref: st
     logger = get_run_logger()
     name, version, _ = tracking.parse_model_uri(student_ref) if tracking.is_model_uri(student_ref) else (
         None, None, None)
-    new = {d: domain_value(r) for d, r in accuracy["student"].items()}
+    new = {d: domain_value(r) for d, r in accuracy[student_label].items()}
     if champion_ref is None or "champion" not in accuracy:
         deltas, bad = {}, []
-        logger.info("no %s@%s yet: the new student becomes it", tracking.registered_name(cfg.name, "student"),
+        logger.info("no %s@%s yet: the new student becomes it", tracking.registered_name(cfg.name, student_label),
                     alias)
     else:
         old = {d: domain_value(r) for d, r in accuracy["champion"].items()}

@@ -45,8 +45,10 @@ def _last_checkpoint_step(stage_dir: Path, fingerprint: str, steps: int | None) 
 def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str, Any]], parent_run_id: str | None,
                refresh: bool, stage_dir: Path, registered: str | None, engine: Callable[[dict], Any],
                sections: tuple[str, ...], data_domains: list[str],
-               on_end: Callable[[str, Any], None] | None = None) -> dict:
-    """`on_end(run_id, stage_output | None)`: extra tracking before the child run ends (None: the stage failed)."""
+               on_end: Callable[[str, Any], None] | None = None, lineage: Mapping[str, Any] | None = None) -> dict:
+    """`on_end(run_id, stage_output | None)`: extra tracking before the child run ends (None: the stage failed).
+    `lineage`: extra tags of the stage's run and registered model, also logged as params (a later round's
+    `mopd.round` and `mopd.parent`, the previous round's student)."""
     from mopd_core.recipe import setup_runtime
 
     from mopd_core.train.checkpoint import claim_stage, stage_done
@@ -77,13 +79,14 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
                                 tags={"mopd.stage": label, "mopd.cache_key": key, "mopd.stage_fingerprint":
                                       ident.fingerprint, "mopd.retracked": str(retracked).lower(),
-                                      **prefect_tags()})
+                                      **(lineage or {}), **prefect_tags()})
     link = out = None
     try:
         link = tracking.run_url(run_id)
         logger.info("%s: MLflow run %s", label, link)
         tracking.log_params(run_id, tracking.stage_params(cfg, sections, {k: v["ref"] for k, v in inputs.items()},
-                                                          {"resumed_from_step": resumed, "stage": label}))
+                                                          {"resumed_from_step": resumed, "stage": label,
+                                                           **(lineage or {})}))
         tracking.log_datasets(run_id, cfg, data_domains)
         local = {k: local_path(v, refs_cache_dir(cfg)) for k, v in inputs.items()}
         tail = tracking.MetricsTail(run_id, stage_dir / "metrics.jsonl")
@@ -110,7 +113,7 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
                     "mopd.stage": label, "mopd.recipe": cfg.name, "mopd.cache_key": key,
                     "mopd.stage_fingerprint": info.get("fingerprint", ""), "mopd.results_version":
                     info.get("results_version", ""), "mopd.git_sha": tracking.git_sha(), "mopd.seed": cfg.seed,
-                    **{f"eval.{d}.{m}": v for d, r in ev.items() for m, v in r.items()}}
+                    **(lineage or {}), **{f"eval.{d}.{m}": v for d, r in ev.items() for m, v in r.items()}}
             model_uri = tracking.log_model(run_id, out.model_dir, registered, tags)
             tracking.set_tags(run_id, {"mopd.registered_model": model_uri})
             logger.info("%s: registered %s", label, model_uri)
@@ -167,6 +170,17 @@ def as_ref(result: Mapping[str, Any]) -> dict:
     return {"ref": result["ref"], "path": result["path"]}
 
 
+def round_lineage(stage: str, parent: Mapping[str, Any] | None) -> dict | None:
+    """The lineage tags of a round r ≥ 2 stage: its round and the previous round's student (`parent`, a stage
+    result or reference) it descends from; None in round 1 (its runs and models are tagged as before rounds)."""
+    from mopd_core.recipe import parse_stage
+
+    rnd = parse_stage(stage)[2]
+    if rnd == 1:
+        return None
+    return {"mopd.round": rnd, **({"mopd.parent": parent["ref"]} if parent else {})}
+
+
 @task(name="sft", **CACHED)
 def sft_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False) -> dict:
     from mopd_core import recipe as R
@@ -181,35 +195,39 @@ def sft_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, re
 
 
 @task(name="expert_rl", **CACHED)
-def expert_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False) -> dict:
+def expert_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False,
+                lineage: dict | None = None) -> dict:
+    """`stage`: "expert:<domain>" (round 1) or "expert:<domain>@r<r>" (round r: `init` = round r−1's student)."""
     from mopd_core import recipe as R
 
-    domain = stage.split(":", 1)[1]
-    label = f"expert-{domain}"
+    _, domain, rnd = R.parse_stage(stage)
+    label = R.stage_label(stage)
     return _run_stage(stage=stage, label=label, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
-                      refresh=refresh, stage_dir=cfg.run_dir() / label,
+                      refresh=refresh, stage_dir=R.stage_dir(cfg, stage),
                       registered=tracking.registered_name(cfg.name, label),
                       # experts run concurrently: rich draws one live bar per process, so log lines only there
                       engine=lambda local: R.expert_stage(cfg, domain, local["init"],
-                                                          progress=not sys.stderr.isatty()),
-                      sections=("runtime",) + STAGE_SECTIONS["expert"], data_domains=[domain])
+                                                          progress=not sys.stderr.isatty(), rnd=rnd),
+                      sections=("runtime",) + STAGE_SECTIONS["expert"], data_domains=[domain], lineage=lineage)
 
 
 @task(name="mopd", **CACHED)
 def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, refresh: bool = False,
-              endpoints: str | None = None) -> dict:
-    """`endpoints`: the manifest path `serve_teachers_task` returned (None: the stage serves its teachers itself
-    or uses teachers.endpoints). The live servers of that manifest in this process are used with supervision
-    (dead servers restarted); a manifest from elsewhere is used as external endpoints. Not part of the cache
-    key (ports and pids are no identity of the student)."""
+              endpoints: str | None = None, lineage: dict | None = None) -> dict:
+    """`stage`: "mopd" (round 1) or "mopd@r<r>". `endpoints`: the manifest path `serve_teachers_task` returned
+    (None: the stage serves its teachers itself or uses teachers.endpoints). The live servers of that manifest in
+    this process are used with supervision (dead servers restarted); a manifest from elsewhere is used as
+    external endpoints. Not part of the cache key (ports and pids are no identity of the student)."""
     from mopd_core import recipe as R
 
     live = live_teachers(endpoints)
+    rnd = R.parse_stage(stage)[2]
+    label = R.stage_label(stage)
 
     def engine(local: dict):
         teachers = {k.split(".", 1)[1]: v for k, v in local.items() if k.startswith("teacher.")}
         return R.mopd_stage(cfg, local["init"], teachers, progress=True,
-                            endpoints=live if live is not None else endpoints)
+                            endpoints=live if live is not None else endpoints, rnd=rnd)
 
     def on_end(run_id: str, out) -> None:
         manifest = (out.teachers if out is not None else None) or (live.manifest() if live is not None else None)
@@ -217,11 +235,11 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
         if any(counts.values()):
             get_run_logger().warning("teacher server restarts during the stage: %s", counts)
 
-    return _run_stage(stage=stage, label="student", cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
-                      refresh=refresh, stage_dir=cfg.run_dir() / "student",
-                      registered=tracking.registered_name(cfg.name, "student"), engine=engine,
+    return _run_stage(stage=stage, label=label, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
+                      refresh=refresh, stage_dir=R.stage_dir(cfg, stage),
+                      registered=tracking.registered_name(cfg.name, label), engine=engine,
                       sections=("runtime",) + STAGE_SECTIONS["mopd"], data_domains=cfg.domain_names(),
-                      on_end=on_end)
+                      on_end=on_end, lineage=lineage)
 
 
 @task(name="evaluate", **CACHED)

@@ -33,9 +33,11 @@ _LIVE: dict[str, Any] = {}  # manifest path → started serving.TeacherServers
 _LIVE_LOCK = threading.Lock()
 
 
-def servers_dir(cfg) -> Path:
-    """Where the recipe run's served teachers keep logs, manifest, HOME and caches."""
-    return (cfg.run_dir() / "serve-teachers").resolve()
+def servers_dir(cfg, rnd: int = 1) -> Path:
+    """Where the recipe run's served teachers (of round `rnd`) keep logs, manifest, HOME and caches."""
+    from mopd_core.recipe import round_dir
+
+    return (round_dir(cfg, rnd) / "serve-teachers").resolve()
 
 
 def live_teachers(manifest: str | None):
@@ -65,7 +67,7 @@ def _mode(cfg) -> str:
 
 
 def _student_reused(cfg, student: Mapping[str, Any], refs: Mapping[str, Mapping[str, Any]], student_path: Path,
-                    teacher_paths: Mapping[str, Path], refresh: bool) -> str | None:
+                    teacher_paths: Mapping[str, Path], refresh: bool, rnd: int = 1) -> str | None:
     """Why the mopd task will need no teacher (it reuses a finished stage), or None when it will train. Mirrors
     the mopd task: `refresh` discards the folder, else the engine's fingerprint check decides (the one stage
     identity). A wrong "reused" costs nothing but time: the mopd stage then starts its own servers."""
@@ -75,10 +77,10 @@ def _student_reused(cfg, student: Mapping[str, Any], refs: Mapping[str, Mapping[
         return "mopd.w_kd = 0: the student trains on rewards only, without teachers"
     if refresh:
         return None
-    info = R.mopd_stage_done(cfg, student_path, dict(teacher_paths))
+    info = R.mopd_stage_done(cfg, student_path, dict(teacher_paths), rnd=rnd)
     if info is None:
         return None
-    stage_dir = cfg.run_dir() / "student"
+    stage_dir = R.stage_dir(cfg, R.round_stage("mopd", rnd))
     return (f"the student stage is already finished in {stage_dir} ({info.get('steps')} steps, fingerprint "
             f"{info.get('fingerprint')}): the mopd task reuses it")
 
@@ -104,7 +106,7 @@ def _manifest_md(mode: str, manifest: Mapping[str, Mapping[str, Any]], note: str
 
 @task(name="serve_teachers", task_run_name="serve-teachers", **RETRY)
 def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str | None = None,
-                        refresh: bool = False, for_mopd: bool = True) -> dict:
+                        refresh: bool = False, for_mopd: bool = True, stage: str = "mopd") -> dict:
     """Make every teacher reachable for scoring and check it against the student, before any training.
 
     `served` mode starts one vLLM server per expert (`mopd_core.teachers.lifecycle.serve`: tokenizer
@@ -113,16 +115,20 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     publishes a Markdown artifact teacher → url/model/max_model_len/pid. No server starts when the mopd task will
     reuse a finished student stage (`refresh` = the student is retrained: always start). The caller must call
     `stop_teachers(result)` (a flow's `finally`). `for_mopd=False` (the serve-teachers flow): some teachers may
-    be served alone, so not every domain needs one.
+    be served alone, so not every domain needs one. `stage`: the mopd stage they serve ("mopd", or "mopd@r<r>":
+    that round's servers keep their files under `<run_dir>/r<r>/serve-teachers`, MLflow run `r<r>-serve-teachers`).
 
     Returns `{"teachers": {domain: ref}, "manifest": path | None, "mode", "started", "run_id"}`; `teachers`
     feeds the mopd task's inputs (its cache key), `manifest` its `endpoints` argument."""
+    from mopd_core.recipe import parse_stage, round_prefix
     from mopd_core.teachers import lifecycle
 
     logger = get_run_logger()
     mode = _mode(cfg)
-    run_id = tracking.start_run(cfg.name, "serve-teachers", parent_run_id,
-                                tags={"mopd.stage": "serve-teachers", "mopd.teachers_mode": mode, **prefect_tags()})
+    rnd = parse_stage(stage)[2]
+    label = round_prefix(rnd) + "serve-teachers"
+    run_id = tracking.start_run(cfg.name, label, parent_run_id,
+                                tags={"mopd.stage": label, "mopd.teachers_mode": mode, **prefect_tags()})
     servers, manifest_path, manifest, note = None, None, {}, ""
     link = None
     try:
@@ -142,7 +148,8 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
                                      **{f"input.teacher.{k}": v["ref"] for k, v in out.items()}})
         tracking.set_tags(run_id, {"student_tokenizer": student_fp,
                                    **{f"tokenizer.{k}": v for k, v in fps.items()}})
-        why = _student_reused(cfg, student, out, student_path, paths, refresh) if mode != "colocated" else None
+        why = (_student_reused(cfg, student, out, student_path, paths, refresh, rnd) if mode != "colocated"
+               else None)
         t0 = time.perf_counter()
         if mode == "colocated":
             note = "colocated: the mopd stage loads the teachers in-process; nothing is served"
@@ -150,14 +157,14 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
             note = f"no server started: {why}"
             tracking.set_tags(run_id, {"mopd.teachers_started": "false", "mopd.teachers_skipped": why[:5000]})
         elif mode == "served":
-            servers = lifecycle.serve(cfg, paths, student_path, servers_dir(cfg), for_mopd=for_mopd)
+            servers = lifecycle.serve(cfg, paths, student_path, servers_dir(cfg, rnd), for_mopd=for_mopd)
             manifest_path = str(servers.manifest_path)
             _register(manifest_path, servers)
             manifest = servers.manifest()
             note = f"{len(manifest)} vLLM server(s) started and checked in {time.perf_counter() - t0:.0f} s"
         else:  # external: someone else's servers, checked and recorded, never started or stopped here
             manifest = lifecycle.check_endpoints(cfg, tc.endpoints, student_path)
-            p = servers_dir(cfg) / "endpoints.json"
+            p = servers_dir(cfg, rnd) / "endpoints.json"
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(json.dumps(manifest, indent=2, sort_keys=True))
             manifest_path = str(p)
@@ -174,7 +181,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
             _unregister(manifest_path)
             servers.stop()
         try:  # a failed start-up: its logs are the evidence
-            logs = servers_dir(cfg) / "logs"
+            logs = servers_dir(cfg, rnd) / "logs"
             if mode == "served" and logs.exists():
                 tracking.log_artifact(run_id, logs, "teachers/logs")
         except Exception:  # noqa: BLE001 - the original error matters more
@@ -185,7 +192,7 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     for t, e in sorted(manifest.items()):
         logger.info("teacher %s: %s model=%s max_model_len=%s pid=%s", t, e.get("url"), e.get("model"),
                     e.get("max_model_len"), e.get("pid"))
-    publish_stage("serve-teachers", cfg.name, _manifest_md(mode, manifest, note), link)
+    publish_stage(label, cfg.name, _manifest_md(mode, manifest, note), link)
     return {"teachers": out, "manifest": manifest_path, "mode": mode, "started": servers is not None,
             "run_id": run_id}
 

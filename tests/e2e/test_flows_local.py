@@ -1,7 +1,8 @@
 """The recipe as Prefect flows in ephemeral mode (no server) against a local SQLite MLflow store: one parent run
 and a child per stage with params, step metrics and plots; registered models whose tags walk the lineage from
 the student back to SFT; Prefect artifacts; a second run served from the cache; bad parameters fail before any
-stage, naming the parameter."""
+stage, naming the parameter. The recipe runs two MOPD rounds (`rounds=2`, issue 13): round 2's experts and
+student are tracked, registered with lineage to round 1's student and reused by the second run like round 1."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from tests.e2e.helpers import drive, isolated_env, mlflow_client, runs_of, short
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-STAGES = {"sft", "expert-math", "expert-code", "expert-if", "serve-teachers", "student", "evaluate"}
-TRAINED = ["sft", "expert-math", "expert-code", "expert-if", "student"]
+ROUND2 = ["r2-expert-math", "r2-expert-code", "r2-expert-if", "r2-student"]
+STAGES = {"sft", "expert-math", "expert-code", "expert-if", "serve-teachers", "student", "evaluate",
+          *ROUND2, "r2-serve-teachers"}
+TRAINED = ["sft", "expert-math", "expert-code", "expert-if", "student", *ROUND2]
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flows")
     env = isolated_env(tmp)
-    kw = {"config": "tiny", "overrides": short_overrides(tmp / "runs")}
+    kw = {"config": "tiny", "overrides": short_overrides(tmp / "runs") + ["rounds=2"]}
     res = drive(tmp, [{"op": "run", "flow": "full-recipe", "kwargs": kw},
                       {"op": "run", "flow": "full-recipe", "kwargs": kw}], env, timeout=800)
     return tmp, env, res
@@ -38,7 +41,8 @@ def test_first_run_tracks_every_stage(two_runs):
     assert set(children) == STAGES
     assert all(r.info.status == "FINISHED" for r in children.values())
     p = parents[0]
-    assert "accuracy/student/math/greedy" in p.data.metrics
+    assert {"accuracy/student/math/greedy", "accuracy/r2-student/math/greedy",
+            "accuracy/r2-expert-if/if/greedy"} <= set(p.data.metrics)
     assert {"git_sha", "code_version", "seed", "mopd.steps"} <= set(p.data.params)
     for stage in TRAINED:
         r = children[stage]
@@ -66,12 +70,22 @@ def test_registered_models_carry_lineage(two_runs):
     os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
     from tasks import tracking
 
-    for name in ("t-sft", "t-expert-math", "t-expert-code", "t-expert-if", "t-student"):
+    for name in ("t-sft", "t-expert-math", "t-expert-code", "t-expert-if", "t-student", *[f"t-{r}" for r in ROUND2]):
         assert str(tracking.model_version(f"models:/{name}/1").version) == "1"
     tree = tracking.lineage("models:/t-student/1")
     assert tree["inputs"]["init"]["ref"] == "models:/t-sft/1"
     assert set(tree["inputs"]) == {"init", "teacher.math", "teacher.code", "teacher.if"}
     assert tree["inputs"]["teacher.code"]["inputs"]["init"]["ref"] == "models:/t-sft/1"
+    # round 2: its experts start from round 1's student, its student continues it; both say so in their tags
+    r2 = tracking.lineage("models:/t-r2-student/1")
+    assert r2["inputs"]["init"]["ref"] == "models:/t-student/1"
+    assert r2["inputs"]["teacher.math"]["ref"] == "models:/t-r2-expert-math/1"
+    assert r2["inputs"]["teacher.math"]["inputs"]["init"]["ref"] == "models:/t-student/1"
+    assert r2["inputs"]["teacher.if"]["inputs"]["init"]["inputs"]["init"]["ref"] == "models:/t-sft/1"
+    for name in ("t-r2-student", "t-r2-expert-code"):
+        tags = tracking.model_version(f"models:/{name}/1").tags
+        assert tags["mopd.round"] == "2" and tags["mopd.parent"] == "models:/t-student/1", tags
+    assert "mopd.round" not in tracking.model_version("models:/t-student/1").tags  # round 1 tagged as before
     # a registered version resolves to a loadable local checkpoint
     path, canon = tracking.resolve_model_ref("models:/t-student/1", tmp / "dl")
     assert canon == "models:/t-student/1" and (path / "config.json").exists()
@@ -83,15 +97,17 @@ def test_prefect_artifacts_and_cached_rerun(two_runs):
     assert {"t-sft", "t-sft-mlflow", "t-student", "t-report", "t-accuracy"} <= keys
     assert second["ok"], second
     states = {t["name"]: t["state_name"] for t in second["flow_run"]["task_runs"]}
-    for stage in ("sft", "expert-math", "expert-code", "expert-if", "mopd", "evaluate"):
+    for stage in ("sft", "expert-math", "expert-code", "expert-if", "mopd", "evaluate", *ROUND2[:3], "r2-mopd"):
         assert states[stage] == "Cached", states
     # no stage retrained: no new child runs, no new model versions
     c = mlflow_client(env["MLFLOW_TRACKING_URI"])
     pid2 = second["result"]["parent_run_id"]
     kids2 = [r for r in runs_of(c, "t") if r.data.tags.get("mlflow.parentRunId") == pid2]
-    assert {r.data.tags["mlflow.runName"] for r in kids2} <= {"serve-teachers"}
+    assert {r.data.tags["mlflow.runName"] for r in kids2} <= {"serve-teachers", "r2-serve-teachers"}
     assert len(c.search_model_versions("name='t-student'")) == 1
+    assert len(c.search_model_versions("name='t-r2-student'")) == 1
     assert second["result"]["stages"]["student"]["ref"] == "models:/t-student/1"
+    assert second["result"]["stages"]["r2-student"]["ref"] == "models:/t-r2-student/1"
     assert second["wall_s"] < first["wall_s"]
 
 
@@ -108,6 +124,9 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
                                                         "expert": {"domains": ["math", "code"]}}},
         {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": ov,
                                                         "mopd": {"steps": -1}}},
+        {"op": "run", "flow": "expert-rl", "kwargs": {"config": "tiny", "overrides": ov, "domain": "math",
+                                                      "init": "models:/t-student/1", "round": 0}},
+        {"op": "run", "flow": "full-recipe", "kwargs": {"config": "tiny", "overrides": ov + ["rounds=0"]}},
     ]
     acc = {"student": {"math": {"greedy": 0.50}, "code": {"greedy": 0.61}, "if": {"greedy": 0.70}},
            "champion": {"math": {"greedy": 0.75}, "code": {"greedy": 0.60}, "if": {"greedy": 0.70}}}
@@ -120,7 +139,7 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
     assert "-25.0 points" in champ["error"] and "'code'" not in champ["error"]
     assert any(a["key"] == "t-champion-deltas" for a in champ["flow_run"]["artifacts"])
     want = ["parameter 'config'", "parameter 'init'", "parameter 'init'", "parameter 'expert.domains'",
-            "parameter 'mopd'"]
+            "parameter 'mopd'", "parameter 'round'", "parameter 'overrides'"]
     for r, w in zip(res, want):
         assert not r["ok"]
         fr = r["flow_run"]
@@ -129,3 +148,4 @@ def test_bad_parameters_fail_before_any_stage(tmp_path):
         started = {t["name"] for t in fr["task_runs"]}
         assert not started & {"sft", "mopd", "expert-math", "open_recipe_run"}, started
     assert "have no expert" in res[3]["error"]
+    assert "rounds=0" in res[6]["error"] and "at least one round" in res[6]["error"]
