@@ -130,7 +130,7 @@ def markdown(r: dict) -> str:
 
     def cell(vals, fmt="{:.1f}", scale=1.0):
         m, s = _ms([v * scale for v in vals])
-        return (fmt + " ± " + fmt).format(m, s) if len(vals) > 1 else fmt.format(m)
+        return (fmt + " ± " + fmt.replace("+", "")).format(m, s) if len(vals) > 1 else fmt.format(m)
 
     lines = [f"# LoRA expert vs full fine-tune expert (`benchmarks/lora_expert.py`, domain `{d}`)", "",
              f"Machine: {r['machine']['cpu_model']}, {r['machine']['cpu_count']} vCPUs, torch {r['machine']['torch']}, "
@@ -164,7 +164,13 @@ def markdown(r: dict) -> str:
             f"| {cell([x['tokens_per_s']['train_tokens_per_s'] for x in a], '{:.0f}')} "
             f"| {cell([x['train_state_mb'] for x in a], '{:.1f}')} "
             f"| {cell([x['peak_rss_mb'] for x in a], '{:.0f}')} | {cell([x['wall_s'] for x in a], '{:.0f}')} |")
-    lines += ["", "Per seed (greedy %, other domains show forgetting / transfer):", "",
+    ratios = {k: ", ".join(f"{s['lora']['tokens_per_s'][k] / s['full']['tokens_per_s'][k]:.2f}" for s in seeds)
+              for k in ("tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s")}
+    lines += ["", "The load differed between seeds, so the spread of the absolute throughputs is the machine's; the "
+              "paired ratio LoRA / full of each seed (arms back to back) is the comparison: step "
+              f"{ratios['tokens_per_s']}; rollout {ratios['rollout_tokens_per_s']}; train "
+              f"{ratios['train_tokens_per_s']}.",
+              "", "Per seed (greedy %, other domains show forgetting / transfer):", "",
               "| seed | arm | " + " | ".join(r["domains"]) + f" | reward `{d}` last 10 steps | bar |",
               "|---|---|" + "---|" * len(r["domains"]) + "---|---|"]
     for s in seeds:

@@ -1,7 +1,8 @@
 """A tiny expert RL stage with LoRA (`expert.lora`) through the real loop: the checkpoints hold only the adapter
 and the adapters' optimizer state, raising `steps` resumes from the adapter checkpoint and ends where a fresh run
 ends, `final/` is a plain HF model (no lora keys) that differs from the input model, and the run logs throughput
-and memory as full fine-tuning does."""
+and memory as full fine-tuning does; that `final/` then serves as every teacher of a MOPD stage whose student
+trains with LoRA too (`mopd.lora`)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def test_lora_expert_trains_adapters_resumes_and_writes_a_plain_final(short_sft_
                            short_sft_dir, progress=False)
     c = load_model(fresh.model_dir).state_dict()
     assert max((a[k] - c[k]).abs().max().item() for k in a) < 1e-6
+
+    # the LoRA expert's final/ as a (plain, local) teacher of a LoRA student
+    m_cfg = longer.model_copy(update={"output_dir": str(tmp_path / "m")}, deep=True)
+    m_cfg.mopd.lora = m_cfg.expert.lora
+    m_cfg.mopd.lr, m_cfg.mopd.steps = 5e-3, 2
+    student = R.mopd_stage(m_cfg, short_sft_dir, {d: out.model_dir for d in m_cfg.domain_names()}, progress=False)
+    info = json.loads((student.stage_dir / "stage.json").read_text())
+    assert info["lora"]["trainable_params"] > 0
+    rows = [json.loads(x) for x in (student.stage_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(any(k.startswith("reverse_kl/") for k in r) for r in rows)  # distilled
+    s = load_model(student.model_dir).state_dict()
+    assert any(not torch.equal(s[k], b[k]) for k in s)
