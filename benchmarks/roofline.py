@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -312,7 +311,8 @@ def ab_compare(args, rev: str) -> dict:
         res["threads"][str(th)] = {
             "before": runs["before"], "after": runs["after"], "before_mean_s": m_b, "before_std_s": s_b,
             "after_mean_s": m_a, "after_std_s": s_a, "speedup": m_b / m_a,
-            "same_results": len(sums["before"] | sums["after"]) == 1, "checksums": sorted(sums["before"] | sums["after"]),
+            "same_results": len(sums["before"] | sums["after"]) == 1,
+            "checksums": sorted(sums["before"] | sums["after"]),
             **{f"{side}_{k}_mean": statistics.fmean(x[k] for x in runs[side])
                for side in ("before", "after") for k in ("sample_s", "score_s", "train_s")}}
     return res
@@ -359,7 +359,8 @@ def roofline(args) -> dict:
         rs = [x for x in rows if x["threads"] == th]
         s = {"peak_gflops": _mean_std([x["peak_gflops"] for x in rs])}
         for ph in ("sample", "score", "train"):
-            s[ph] = {"gflops": _mean_std([x[f"{ph}_gflops"] for x in rs]), "pct": _mean_std([x[f"{ph}_pct"] for x in rs]),
+            s[ph] = {"gflops": _mean_std([x[f"{ph}_gflops"] for x in rs]),
+                     "pct": _mean_std([x[f"{ph}_pct"] for x in rs]),
                      "seconds": _mean_std([x["seconds"][ph] for x in rs]), "target_pct": TARGETS[ph]}
         summary[str(th)] = s
     torch.set_num_threads(1)
