@@ -464,6 +464,17 @@ def bottleneck_text(res: dict) -> str:
                    f"of its time is in matmul kernels, which themselves run at {p['matmul_gflops']} GFLOP/s "
                    f"({100 * p['matmul_gflops'] / peak:.0f} % of the square-matmul peak) on this model's 192-wide "
                    f"shapes; the rest is " + ", ".join(f"{o['op']} {o['share_pct']} %" for o in other) + ".")
+    for th, st in res["summary"].items():
+        if th == "1" or all(st[ph]["pct"][0] is None or st[ph]["pct"][0] >= TARGETS[ph] for ph in TARGETS):
+            continue
+        rows = [x for x in res["rows"] if str(x["threads"]) == th]
+        load = max(x["load_before"] for x in rows)
+        slow = {ph: st[ph]["seconds"][0] / s1[ph]["seconds"][0] for ph in TARGETS}
+        out.append(f"At {th} threads the phases take " + ", ".join(f"{ph} {v:.1f}×" for ph, v in slow.items())
+                   + f" the 1-thread seconds while the matmul peak itself only drops to "
+                   f"{st['peak_gflops'][0]:.1f} GFLOP/s: with a load average of {load:.1f} on "
+                   f"{res['machine'].get('cpu_count')} cores, OpenMP's threads wait for each other at every one of "
+                   "the model's many small ops (the profiler pass runs at 1 thread).")
     ab = res.get("ab")
     if ab:
         for th, t in ab["threads"].items():
