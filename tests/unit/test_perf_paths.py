@@ -104,5 +104,6 @@ def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
     ho = checks["handover"]
     assert ho["transport"] == "shared_memory" and ho["bytes"] > 0 and len(ho["runs"]) == 3
     assert all(r["messages"] == ho["buckets"] for r in ho["runs"])
+    assert len(ho["steady"]) == 3 and ho["steady_update_s_best"] > 0
     st = checks["mopd_step"]
     assert st["finite"] and st["completion_tokens"] > 0 and math.isfinite(st["loss"])
