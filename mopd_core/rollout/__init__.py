@@ -298,7 +298,8 @@ def sampling_mask(logits: torch.Tensor, *, top_p: float = 1.0, top_k: int = 0, m
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_id: int | Sequence[int], pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-           top_k: int = 0, min_p: float = 0.0, greedy: bool = False, generator: torch.Generator | None = None):
+           top_k: int = 0, min_p: float = 0.0, greedy: bool = False, generator: torch.Generator | None = None,
+           kv_cache: str = "preallocated"):
     """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs `[B,T]`.
     A row stops after any of the stop ids `eos_id` (one id or several: EOS and the chat template's end-of-turn
     token), which stays inside its mask.
@@ -309,13 +310,27 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     top_k = 0, min_p = 0, the defaults) that is the plain tempered log-softmax, the trainer's
     `completion_logprobs`; with it, it exceeds the trainer's by log(mass kept) ≥ 0 (the policy loop then
     recomputes them with the trainer: `train.loop.recompute_behaviour_logp`). `greedy`: the tempered log-softmax
-    of the argmax token (truncation never changes the argmax)."""
-    B = prompt_ids.shape[0]
+    of the argmax token (truncation never changes the argmax).
+
+    `kv_cache`: "preallocated" (default) writes each token's keys/values into buffers sized for prompt + budget
+    (`rollout.kvcache`), and the attention mask likewise; "dynamic" is transformers' growing `DynamicCache` (a
+    `torch.cat` of the whole cache per token). Both give bit-identical samples and log-probs (tested)."""
+    if kv_cache not in ("preallocated", "dynamic"):
+        raise ValueError(f"kv_cache={kv_cache!r}: use 'preallocated' or 'dynamic'")
+    B, P = prompt_ids.shape
     dev = prompt_ids.device
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
-    am = prompt_mask.clone()
+    cache = None
+    if kv_cache == "preallocated":
+        from .kvcache import preallocated_cache
+
+        cache = preallocated_cache(unwrap(model), P + max_new_tokens)
+    # the mask of every step is a prefix of one buffer (no per-token torch.cat): ones past the prompt
+    am_buf = torch.ones((B, P + max_new_tokens), dtype=prompt_mask.dtype, device=dev)
+    am_buf[:, :P] = prompt_mask
+    am = am_buf[:, :P]
     pos = position_ids(am)
-    logits, cache = forward(model, prompt_ids, am, pos, use_cache=True, logits_to_keep=1)
+    logits, cache = forward(model, prompt_ids, am, pos, cache=cache, use_cache=True, logits_to_keep=1)
     next_pos = pos[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     toks, lps, masks = [], [], []
@@ -337,7 +352,7 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         finished = finished | (tok[:, None] == stops).any(-1)  # elementwise: every device backend has it
         if bool(finished.all()):
             break
-        am = torch.cat([am, torch.ones((B, 1), dtype=am.dtype, device=dev)], dim=1)
+        am = am_buf[:, :am.shape[1] + 1]
         logits, cache = forward(model, toks[-1][:, None], am, next_pos, cache=cache, use_cache=True)
         next_pos = next_pos + 1
     return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)

@@ -8,6 +8,11 @@
 #   tests/device/run_all.sh test_vllm_ipc.py     # some files (split a run that would outlast a time limit)
 #   PY=python3 OUT=/tmp/x.json FILE_TIMEOUT=400 tests/device/run_all.sh
 #   OUT=$OUT/device_checks.json tests/device/run_all.sh   # on the lent device machine: the JSON comes back
+#   tests/device/run_all.sh perf                 # only the performance checks (tests/device/perf_checks.py:
+#                                                # 1.7B-class MFU, 16k-token log-prob memory, CUDA IPC hand-over
+#                                                # vs the HBM copy floor, a colocated MOPD step) — ≤ 8 min on an
+#                                                # H200 without vLLM; their JSON lands under "perf"
+#   SKIP_PERF=1 tests/device/run_all.sh          # the pytest files only; PERF_BUDGET_S (default 420) caps perf
 #
 # Python: $PY, else .venv/bin/python, else python3 (a bare accelerator image: torch + transformers + pytest run
 # the device-layer and CUDA-IPC checks; the vLLM checks need vllm — `pip install -e .[vllm]` — and skip without).
@@ -29,14 +34,16 @@ export MOPD_DEVICE_RESULTS="$TMP/records.jsonl" HF_HUB_OFFLINE=1 TOKENIZERS_PARA
   MLFLOW_DISABLE_TELEMETRY=true PREFECT_HOME="$TMP/prefect"
 : >"$MOPD_DEVICE_RESULTS"
 
-if [ "$#" -gt 0 ]; then FILES=("$@"); else
+RUN_PERF=${SKIP_PERF:+0}; RUN_PERF=${RUN_PERF:-1}
+if [ "$#" -eq 1 ] && [ "$1" = perf ]; then FILES=(); RUN_PERF=1
+elif [ "$#" -gt 0 ]; then FILES=("$@"); RUN_PERF=0; else
   FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_fsdp2.py test_vllm_rollout.py test_vllm_ipc.py
          test_colocated_step.py test_async_pipeline.py)
 fi
 
 rc=0
 t_all=$(date +%s)
-for f in "${FILES[@]}"; do
+for f in "${FILES[@]+"${FILES[@]}"}"; do
   f=$(basename "$f")
   echo "== tests/device/$f"
   timeout -k 20 "$FILE_TIMEOUT" "$PY" -m pytest "tests/device/$f" -m device -q -rs -p no:cacheprovider \
@@ -49,6 +56,12 @@ for f in "${FILES[@]}"; do
   esac
   echo "$f $r" >>"$TMP/exit_codes"
 done
+
+if [ "$RUN_PERF" = 1 ]; then
+  echo "== tests/device/perf_checks.py (budget ${PERF_BUDGET_S:-420} s)"
+  timeout -k 20 "$(( ${PERF_BUDGET_S:-420} + 120 ))" "$PY" tests/device/perf_checks.py --out "$TMP/perf.json" \
+    --budget-s "${PERF_BUDGET_S:-420}" || rc=1
+fi
 
 "$PY" - "$TMP" "$OUT" "$rc" "$t_all" <<'EOF'
 import json, os, platform, subprocess, sys, time
@@ -91,6 +104,9 @@ counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed",
 res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": sha, "machine": machine, "wall_s": int(time.time()) - t_all,
        "ok": rc == 0 and not counts["failed"] and not counts["error"], "counts": counts, "tests": tests,
        "records": records}
+if (tmp / "perf.json").exists():  # tests/device/perf_checks.py: MFU, log-prob memory, hand-over, MOPD step
+    res["perf"] = json.loads((tmp / "perf.json").read_text())
+    res["ok"] = res["ok"] and res["perf"].get("ok", True)
 out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text(json.dumps(res, indent=1, default=str) + "\n")
 print(f"device checks: {counts} in {res['wall_s']} s -> {out}")

@@ -1,0 +1,109 @@
+"""The fast paths equal the paths they replaced (issue 14, item 3), and the GPU performance script's code path
+runs at tiny shapes on the CPU (item 4) so that it cannot rot where no device is lent."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mopd_core.config import TinyModelConfig
+from mopd_core.models import build_tiny_model, build_tiny_tokenizer
+from mopd_core.rollout import encode_prompts, sample
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    tok = build_tiny_tokenizer()
+    m = build_tiny_model(TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128), len(tok),
+                         tok.pad_token_id, tok.eos_token_id, seed=0).eval()
+    return m, tok
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(greedy=True), dict(temperature=0.7, top_p=0.8, top_k=20)],
+                         ids=["sample", "greedy", "truncated"])
+def test_preallocated_kv_cache_is_bit_identical_to_dynamic_cache(model_tok, kw):
+    model, tok = model_tok
+    prompts = ["12+34=", "rev:abcde=", "7-3=", "sort:31425=", "upper:ab=", "rep3:ab="]
+    ids, mask = encode_prompts(tok, prompts, "cpu")  # left-padded: rows of different prompt lengths
+    # several stop ids, so that rows stop at different steps (a random model rarely picks EOS)
+    stops = [tok.eos_token_id] + tok.convert_tokens_to_ids(list("0123"))
+    outs = {}
+    for kv in ("dynamic", "preallocated"):
+        g = torch.Generator().manual_seed(5)
+        outs[kv] = sample(model, ids, mask, max_new_tokens=8, eos_id=stops, pad_id=tok.pad_token_id, generator=g,
+                          kv_cache=kv, **kw)
+    for a, b in zip(outs["dynamic"], outs["preallocated"]):
+        assert torch.equal(a, b)
+    c_mask = outs["preallocated"][1]
+    assert 0 < int(c_mask.sum()) < c_mask.numel() or kw.get("greedy")  # some rows stopped early (not all)
+
+
+def test_preallocated_layer_grows_past_its_capacity_like_dynamic_cache():
+    from transformers.cache_utils import DynamicLayer
+
+    from mopd_core.rollout.kvcache import PreallocLayer
+
+    pre, dyn = PreallocLayer()(), DynamicLayer()
+    pre.capacity = 3
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 1, 2, 1):  # 2 + 1 fill the buffer, then it grows
+        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
+        a, b = pre.update(k, v), dyn.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert pre.get_seq_length() == dyn.get_seq_length() == 6
+
+
+def test_sample_refuses_an_unknown_kv_cache(model_tok):
+    model, tok = model_tok
+    ids, mask = encode_prompts(tok, ["1+1="], "cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        sample(model, ids, mask, max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, kv_cache="static")
+
+
+def _perf_checks():
+    spec = importlib.util.spec_from_file_location("perf_checks", ROOT / "tests" / "device" / "perf_checks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_flops_count_of_the_device_script_matches_a_hand_count():
+    pc = _perf_checks()
+    cfg = pc.qwen3_1p7b()
+    per_tok, n = pc.model_flops_per_token(cfg, 4096)
+    # Qwen3-1.7B: 28 × (q 2048·2048 + k,v 2·2048·1024 + o 2048·2048 + MLP 3·2048·6144) + lm_head 151936·2048
+    assert n == 28 * (2048 * 2048 * 2 + 2 * 2048 * 1024 + 3 * 2048 * 6144) + 151_936 * 2048
+    assert 1.6e9 < n < 1.8e9
+    assert per_tok == 6 * n + 6 * 2 * 28 * 2048 * 4097
+
+
+@pytest.mark.dryrun
+def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
+    # as run_all.sh runs it (a script: its hand-over receiver is spawned from it)
+    out = tmp_path / "perf.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "device" / "perf_checks.py"), "--dry-run", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    checks = res["checks"]
+    assert set(checks) == {"mfu", "logprob_memory", "handover", "mopd_step"}
+    assert res["ok"], {k: v.get("error") for k, v in checks.items()}
+    assert checks["mfu"]["steps_timed"] >= 1 and checks["mfu"]["achieved_tflops"] > 0
+    assert checks["logprob_memory"]["max_abs_logp_diff"] < 1e-5  # chunked = full
+    ho = checks["handover"]
+    assert ho["transport"] == "shared_memory" and ho["bytes"] > 0 and len(ho["runs"]) == 3
+    assert all(r["messages"] == ho["buckets"] for r in ho["runs"])
+    assert len(ho["steady"]) == 3 and ho["steady_update_s_best"] > 0
+    st = checks["mopd_step"]
+    assert st["finite"] and st["completion_tokens"] > 0 and math.isfinite(st["loss"])
