@@ -230,9 +230,10 @@ def render(res: dict, modes: list[str]) -> str:
                     f"| {seed} | {mode} | {oc['gen'] / c['gen']:.2f}× | {oc['score'] / c['score']:.2f}× | "
                     f"{oc['train'] / c['train']:.2f}× | {po['steps_per_s']:.3f} | {m['steps_per_s']:.3f} |")
     if contention:
-        lines += ["", "Why the measured gain is below the 1+1+1 prediction: the phases share the machine's cores, so "
-                  "each runs slower while another runs. Phase medians of the async run ÷ those of the sync run, and "
-                  "the same model fed the async run's own (contended) phase costs:", "",
+        lines += ["", "Scheduling vs contention: the 1+1+1 prediction gives each phase its own device; here they share "
+                  "the machine's cores. Phase medians of each async run ÷ those of its sync run (above 1: the phase "
+                  "ran slower while overlapped; below 1: the sync run saw more load from other jobs), and the same "
+                  "model fed the async run's own phase costs:", "",
                   "| seed | mode | generation | scoring | update | predicted from own costs | measured |",
                   "|---|---|---:|---:|---:|---:|---:|", *contention]
     for seed, per in res["seeds"].items():
