@@ -387,10 +387,10 @@ def render(res: dict) -> str:
     lines.append(ps.md_table(["arm", "s/step", "generation s", "teacher scoring s", "update s",
                               "completion tok/s", "peak RSS MiB", "held-out greedy %"], rows))
     b = res.get("build", {})
-    if b:
+    if b.get("sft_eval"):
         lines += ["", "Before training: SFT " + ", ".join(
             f"{d} {100 * b['sft_eval'][d]['greedy']:.1f}" for d in DOMAINS) + " %; experts on their domain " +
-            ", ".join(f"{d} {100 * b['expert_eval'][d][d]['greedy']:.1f}" for d in DOMAINS) + " %."]
+            ", ".join(f"{d} {100 * e[d]['greedy']:.1f}" for d, e in b.get("expert_eval", {}).items()) + " %."]
     lines += ["", "## Ours ÷ TRL (paired by repeat)", ""]
     rrows = []
     for k, v in s["ratios"].items():
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", default=None)
     ap.add_argument("--repeat", type=int, default=0)
     ap.add_argument("--worker-out", type=Path)
-    ap.add_argument("--build-json", type=Path)
+    ap.add_argument("--build-json", type=Path, help="use these models ({sft, experts, ...}) instead of building")
     ap.add_argument("--profile-run", action="store_true")
     args = ap.parse_args(argv)
     args.run_dir = args.run_dir.resolve()
@@ -489,11 +489,14 @@ def main(argv=None) -> int:
     import trl
 
     t_all = time.perf_counter()
-    args.build_json = args.run_dir / "build.json"
-    b = build(args)
-    args.build_json.parent.mkdir(parents=True, exist_ok=True)
-    args.build_json.write_text(json.dumps(b, indent=1, default=str))
-    print(f"SFT + experts ready ({b['build_s']:.0f} s)", flush=True)
+    if args.build_json is not None:  # models trained elsewhere (another invocation's build.json)
+        b = json.loads(args.build_json.read_text())
+    else:
+        args.build_json = args.run_dir / "build.json"
+        b = build(args)
+        args.build_json.parent.mkdir(parents=True, exist_ok=True)
+        args.build_json.write_text(json.dumps(b, indent=1, default=str))
+    print(f"SFT + experts ready ({b.get('build_s', 0):.0f} s)", flush=True)
     arms = [a for a in args.arms.split(",") if a]
     notes = []
     if "ours_fjsd" in arms and not has_full_jsd():

@@ -106,3 +106,28 @@ def test_vs_trl_three_teacher_ratio_sums_the_three_trl_runs():
     trl_wall = 3 * 9.0 + (3 + 2 + 2) * 0.6  # every step counts here, warm-ups included, on both sides
     assert r["speed"] == pytest.approx([trl_wall / (9.0 + 9 * 0.3)])
     assert r["acc_diff_points"]["code"] == pytest.approx([10.0])
+
+
+def test_sample_efficiency_analysis_crossings_and_seesaw():
+    se = _load("sample_efficiency")
+    xs = [0, 2560, 5120]
+    build = {"sft_eval": {d: {"greedy": 0.4} for d in ("math", "code", "if")},
+             "expert_eval": {"math": {"math": {"greedy": 0.9}}, "code": {"code": {"greedy": 0.8}},
+                             "if": {"if": {"greedy": 1.0}}}}
+    runs = [{"method": "mopd", "seed": 0, "samples": xs,
+             "curves": {"math": [0.4, 0.82, 0.85], "code": [0.4, 0.6, 0.75], "if": [0.4, 0.7, 0.8]}},
+            {"method": "grpo", "seed": 0, "samples": xs,
+             "curves": {"math": [0.4, 0.7, 0.6], "code": [0.4, 0.5, 0.73], "if": [0.4, 0.5, 0.6]}}]
+    res = {"build": build, "domains": ["math", "code", "if"], "runs": runs}
+    a = se.analyse(res, 0.05)
+    assert a["targets"]["math"] == pytest.approx(0.81)
+    assert a["cross"]["mopd"] == {"math": [2560], "code": [5120], "if": [None]}
+    assert a["cross"]["grpo"]["math"] == [None]
+    assert [(e["fell"], e["rose"]) for e in a["seesaw"]["grpo"][0]] == [("math", "code"), ("math", "if")]
+    assert a["seesaw"]["mopd"] == [[]]
+    assert a["drawdown"]["grpo"]["math"] == pytest.approx([0.1])
+    res.update(analysis=a, machine={"cpu": "c", "cores": 2, "threads": 1, "torch": "t"}, steps=20, per_step=256,
+               mix={"math": 0.4}, eval_every=10, eval_size="all", seeds=[0], seesaw_delta=0.05, wall_s=60.0)
+    md = se.render(res)
+    assert "| mopd | 2560 (n=1) | 5120 (n=1) | not reached (1/1 runs) |" in md
+    assert "| grpo | 2 | e.g. math −10.0 while code +23.0 (2560→5120 samples) |" in md
