@@ -342,7 +342,11 @@ def summarise(results: list[dict]) -> dict:
             ratios[f"{ours}/{trl}"] = {
                 "speed": ps.paired_ratios([per_step(t, "step_s") for _, t in pairs],
                                           [per_step(o, "step_s") for o, _ in pairs]),
-                "acc_diff_points": [100 * (o["eval"]["math"] - t["eval"]["math"]) for o, t in pairs]}
+                "acc_diff_points": [100 * (o["eval"]["math"] - t["eval"]["math"]) for o, t in pairs],
+                # the same ratio phase by phase: which phase holds the step back
+                "phases": {k: ps.paired_ratios([per_step(t, f"{k}_s") for _, t in pairs],
+                                               [per_step(o, f"{k}_s") for o, _ in pairs])
+                           for k in ("gen", "score", "update")}}
     three = [i for i in reps if all((a, i) in by for a in ("ours_3t", "trl_math", "trl_code", "trl_if"))]
     if three:
         ratios["ours_3t/trl_3x"] = {
@@ -397,9 +401,12 @@ def render(res: dict) -> str:
         acc = v["acc_diff_points"]
         acc_s = (ps.fmt_pm(acc, 1) if isinstance(acc, list)
                  else " / ".join(f"{d} {ps.fmt_pm(x, 1)}" for d, x in acc.items()))
-        rrows.append([k.replace("/", " vs "), ps.fmt_pm(v["speed"], 2) + "×", acc_s])
+        ph = v.get("phases")
+        rrows.append([k.replace("/", " vs "), ps.fmt_pm(v["speed"], 2) + "×", acc_s] +
+                     ([ps.fmt_pm(ph[p], 2) + "×" for p in ("gen", "score", "update")] if ph else ["–"] * 3))
     lines.append(ps.md_table(["pair", "speed (TRL s/step ÷ ours; 3 teachers: TRL's three runs ÷ ours, wall of "
-                              "the steps)", "held-out accuracy ours − TRL (points)"], rrows))
+                              "the steps)", "held-out accuracy ours − TRL (points)", "generation TRL ÷ ours",
+                              "teacher scoring TRL ÷ ours", "update TRL ÷ ours"], rrows))
     acc_ok = speed_ok = None
     r1 = s["ratios"].get("ours_rkl/trl_b1")
     if r1:

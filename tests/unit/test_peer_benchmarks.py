@@ -89,6 +89,7 @@ def test_vs_trl_summary_pairs_repeats_and_leaves_out_the_warm_up_step():
     r = s["ratios"]["ours_rkl/trl_b1"]
     assert r["speed"] == pytest.approx([3.2, 3.2])
     assert r["acc_diff_points"] == pytest.approx([1.5, 0.5])
+    assert r["phases"]["gen"] == pytest.approx([3.0, 0.4 / 0.15]) and r["phases"]["score"] == pytest.approx([5, 10 / 3])
     res = {"machine": {"cpu": "cpu", "cores": 2, "threads": 1, "torch": "t", "trl": "x"}, "steps": 4,
            "prompts": 32, "group": 8, "max_new_tokens": 10, "repeats": [0, 1], "arms": ["trl_b1", "ours_rkl"],
            "load": [1.0, 3.0], "wall_s": 60.0, "summary": s, "notes": ["a note"], "profile": {}}
