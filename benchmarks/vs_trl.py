@@ -450,12 +450,14 @@ def _run_worker(args, arm, repeat, profile=False) -> dict | None:
         return json.loads(out.read_text())
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONHASHSEED": "0",
            "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     p = subprocess.run(_worker_cmd(args, arm, repeat, out, profile), env=env, capture_output=True, text=True)
     if p.returncode != 0:
         print(f"{arm} r{repeat}: FAILED ({p.returncode})\n{p.stderr[-3000:]}", flush=True)
         return None
     r = json.loads(out.read_text())
+    r["load"] = [load0, os.getloadavg()[0]]  # the 1-minute load average when the run started and ended
+    out.write_text(json.dumps(r, indent=1, default=str))
     print(f"{arm} {'prof' if profile else f'r{repeat}'}: {per_step(r, 'step_s'):.3f} s/step "
           f"(gen {per_step(r, 'gen_s'):.3f}, score {per_step(r, 'score_s'):.3f}, update "
           f"{per_step(r, 'update_s'):.3f}), eval {r['eval']}, rss {r['peak_rss_mib']:.0f} MiB, "
@@ -474,6 +476,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--profile", action="store_true", help="also one torch.profiler run per side")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--note", action="append", default=[], help="a line for the table (how it was run)")
     ap.add_argument("--resume", action="store_true", help="reuse finished worker results in the run dir")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-peers")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl")
@@ -505,7 +508,7 @@ def main(argv=None) -> int:
         args.build_json.write_text(json.dumps(b, indent=1, default=str))
     print(f"SFT + experts ready ({b.get('build_s', 0):.0f} s)", flush=True)
     arms = [a for a in args.arms.split(",") if a]
-    notes = []
+    notes = list(args.note)
     if "ours_fjsd" in arms and not has_full_jsd():
         arms.remove("ours_fjsd")
         notes.append("`ours_fjsd` skipped: this checkout's `mopd.kd_loss` has no `full_jsd` option yet.")
@@ -518,7 +521,8 @@ def main(argv=None) -> int:
 
     def write():
         res["summary"] = summarise(res["runs"])
-        res["load"] = [min(loads), max(loads)] if loads else [0.0, 0.0]
+        loads_all = loads + [x for r in res["runs"] for x in r.get("load", [])]
+        res["load"] = [min(loads_all), max(loads_all)] if loads_all else [0.0, 0.0]
         res["wall_s"] = time.perf_counter() - t_all
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
