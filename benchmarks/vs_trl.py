@@ -376,7 +376,8 @@ def render(res: dict) -> str:
              f"repeat). Timed while other jobs shared this 2-core machine (load average "
              f"{res['load'][0]:.1f}–{res['load'][1]:.1f} during the runs): absolute seconds carry that load; the "
              f"ratios pair runs of the same repeat, which ran back to back. Per-step figures leave out step 1 "
-             f"(warm-up) on both sides. Total wall {res['wall_s'] / 60:.1f} min.", "",
+             f"(warm-up) on both sides. Training wall of all runs together "
+             f"{sum(sum(a['wall_s']) for a in s['arms'].values()) / 60:.1f} min.", "",
              "## Per arm (mean ± std over repeats)", ""]
     rows = []
     for arm in res["arms"]:
@@ -476,6 +477,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--profile", action="store_true", help="also one torch.profiler run per side")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
     ap.add_argument("--note", action="append", default=[], help="a line for the table (how it was run)")
     ap.add_argument("--resume", action="store_true", help="reuse finished worker results in the run dir")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-peers")
@@ -489,6 +491,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.run_dir = args.run_dir.resolve()
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    if args.render_only:  # the tables again from the JSON (e.g. after a change to render)
+        res = json.loads(args.out.with_suffix(".json").read_text())
+        res["summary"] = summarise(res["runs"])
+        args.out.with_suffix(".md").write_text(render(res))
+        return 0
     if args.worker:
         fn = run_trl if args.worker.startswith("trl_") else run_ours
         res = fn(args, args.worker, args.repeat)
