@@ -416,6 +416,15 @@ def render(res: dict) -> str:
         lines += ["", f"Acceptance (ours one-teacher vs TRL β=1): speed ≥ 3× — "
                   f"{'met' if speed_ok else 'not met'} ({ps.fmt_pm(r1['speed'], 2)}×); held-out accuracy ≥ TRL − 1 "
                   f"point — {'met' if acc_ok else 'not met'} ({ps.fmt_pm(r1['acc_diff_points'], 1)} points)."]
+        if not speed_ok and r1.get("phases"):
+            ours = s["arms"]["ours_rkl"]
+            step = ps.mean_std(ours["step_s"])[0]
+            parts = [f"{name} {ps.mean_std(r1['phases'][k])[0]:.2f}× ({ps.mean_std(ours[f'{k}_s'])[0] / step:.0%} "
+                     "of our step)" for k, name in (("gen", "generation"), ("score", "teacher scoring"),
+                                                    ("update", "update"))]
+            lines += ["", "What stops 3×: a step is only as much faster as its phases are, and none is 3× faster "
+                      "here — TRL ÷ ours per phase (share of our step): " + ", ".join(parts) + ". The profiler "
+                      "tables below show the ops inside them."]
     for note in res.get("notes", []):
         lines += ["", note]
     if res.get("profile"):
