@@ -422,9 +422,9 @@ def render(res: dict) -> str:
             parts = [f"{name} {ps.mean_std(r1['phases'][k])[0]:.2f}× ({ps.mean_std(ours[f'{k}_s'])[0] / step:.0%} "
                      "of our step)" for k, name in (("gen", "generation"), ("score", "teacher scoring"),
                                                     ("update", "update"))]
-            lines += ["", "What stops 3×: a step is only as much faster as its phases are, and none is 3× faster "
-                      "here — TRL ÷ ours per phase (share of our step): " + ", ".join(parts) + ". The profiler "
-                      "tables below show the ops inside them."]
+            lines += ["", "What stops 3×: a step is only as much faster as the phases that take most of it — TRL "
+                      "÷ ours per phase (share of our step): " + ", ".join(parts) + ". The profiler tables below "
+                      "show the ops inside them."]
     for note in res.get("notes", []):
         lines += ["", note]
     if res.get("profile"):
