@@ -423,8 +423,8 @@ def render(res: dict) -> str:
                      "of our step)" for k, name in (("gen", "generation"), ("score", "teacher scoring"),
                                                     ("update", "update"))]
             lines += ["", "What stops 3×: a step is only as much faster as the phases that take most of it — TRL "
-                      "÷ ours per phase (share of our step): " + ", ".join(parts) + ". The profiler tables below "
-                      "show the ops inside them."]
+                      "÷ ours per phase (share of our step): " + ", ".join(parts) + "." + (
+                          " The profiler tables below show the ops inside them." if res.get("profile") else "")]
     for note in res.get("notes", []):
         lines += ["", note]
     if res.get("profile"):
