@@ -156,6 +156,20 @@ def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[s
     return {f"{prefix}/{g}": sum(v) / len(v) for g, v in acc.items()}
 
 
+def _token_shares(mask: torch.Tensor, groups: list[str], token_w: torch.Tensor | None) -> dict[str, float]:
+    """tokens/<d>/share: domain d's share of the step's gradient tokens (Open-MOPD's diagnosis: a short-answer
+    domain holds its share of the prompts but far less of the tokens); tokens/<d>/loss_share: its share of the
+    loss weight after `balance` (the token share when unbalanced)."""
+    w = mask if token_w is None else token_w * mask
+    tok, wt = mask.sum(1).tolist(), w.sum(1).tolist()
+    n, nw = max(sum(tok), 1e-12), max(sum(wt), 1e-12)
+    out: dict[str, float] = {}
+    for g in dict.fromkeys(groups):
+        out[f"tokens/{g}/share"] = sum(t for t, x in zip(tok, groups) if x == g) / n
+        out[f"tokens/{g}/loss_share"] = sum(t for t, x in zip(wt, groups) if x == g) / nw
+    return out
+
+
 def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
                     domains: Mapping[str, object], eval_domains: Mapping[str, object], stage_dir: str | Path,
                     fingerprint: str, teachers=None, on_step: Callable[[int, dict], None] | None = None,
@@ -385,6 +399,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 m.update(_group_stats(rewards, doms, "reward"))
                 m["reward/mean"] = float(rewards.mean())
                 m.update(_group_stats(mask.sum(1), doms, "length"))
+                m.update(_token_shares(mask, doms, token_w))
                 adv_tok = adv[mask.bool()]
                 m["adv/mean"] = float(adv_tok.mean()) if n_tok else 0.0
                 m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
