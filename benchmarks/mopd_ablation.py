@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -87,13 +88,14 @@ def token_shares(stage_dir: Path, domains: list[str]) -> dict:
 
 
 def recovery(acc: dict[str, float], sft: dict[str, float], expert: dict[str, float]) -> dict:
-    out = {}
-    for d in list(sft):
-        head = expert[d] - sft[d]
-        out[d] = (acc[d] - sft[d]) / head if abs(head) > 1e-9 else None
-    head = statistics.fmean(expert.values()) - statistics.fmean(sft.values())
-    out["total"] = (statistics.fmean(acc[d] for d in sft) - statistics.fmean(sft.values())) / head if head else None
-    return out
+    """(student − SFT) / (expert − SFT) per domain and for the total (`evaluation.recovery`, the eval table's);
+    None where the expert is no better than SFT."""
+    from mopd_core.evaluation import recovery as rec
+
+    res = {"student": {d: {"greedy": a} for d, a in acc.items()}, "sft": {d: {"greedy": a} for d, a in sft.items()},
+           **{f"expert-{d}": {d: {"greedy": a}} for d, a in expert.items()}}
+    out = rec(res, "student", "sft", {d: f"expert-{d}" for d in sft}, domains=list(sft))
+    return {k: (None if math.isnan(v) else v) for k, v in out.items()}
 
 
 def variant_config(args, seed: int, extra: list[str]):
