@@ -315,7 +315,11 @@ class MathChainDomain(SyntheticDomain):
 @register_domain("ifshort")
 class ShortInstructionDomain(SyntheticDomain):
     """Short-answer instruction following: one- or two-character answers — "first:qwxyz=" → "q",
-    "last2:qwxyz=" → "yz" (a word of `min_len`..`max_len` lowercase letters). Exact match."""
+    "last2:qwxyz=" → "yz" (a word of `min_len`..`max_len` lowercase letters). Exact match.
+
+    Its weak demonstrator writes one letter too many ("qw", "xyz") instead of the stray "." of the other kinds:
+    a flaw of this domain's own, so that another domain's RL or distillation signal (which removes the ".")
+    does not fix it on the side — its headroom is closed only by its own, few, gradient tokens."""
 
     kind = "ifshort"
     DEFAULTS = {"tasks": ["first", "last2"], "min_len": 4, "max_len": 6}
@@ -335,6 +339,15 @@ class ShortInstructionDomain(SyntheticDomain):
 
     def task_of(self, prompt: str) -> str:
         return prompt.split(":", 1)[0]  # "last2" keeps its digit
+
+    def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
+        """`ex`, or with the weak demonstration (one letter too many) as its SFT completion."""
+        task = self.task_of(ex.prompt)
+        if not self._weak_rate or task not in self._weak or rng.random() >= self._weak_rate:
+            return ex
+        w = ex.prompt.split(":", 1)[1][:-1]
+        return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
+                       fields={**ex.fields, "completion": w[:2] if task == "first" else w[-3:]})
 
     def space_size(self) -> int:
         return len(self._tasks) * sum(26 ** n for n in range(self._len[0], self._len[1] + 1))

@@ -69,7 +69,7 @@ def test_the_preset_loads_and_its_answers_differ_at_least_8x_in_length():
         assert max(len(e.prompt) for e in exs) <= cfg.data.max_prompt_tokens
     assert lengths["mathchain"] >= 8 * lengths["ifshort"], lengths
     # the weak demonstrator is on (the RL headroom over SFT) and only on one task of each domain
-    assert {n: d.params["weak_tasks"] for n, d in specs.items()} == {"mathchain": ["rsum"], "ifshort": ["last2"]}
+    assert {n: d.params["weak_tasks"] for n, d in specs.items()} == {"mathchain": ["rsum"], "ifshort": ["first"]}
 
 
 def test_the_preset_rejects_an_unknown_domain_param_naming_it():
@@ -91,6 +91,22 @@ def test_mathchain_reward_checks_the_final_answer_and_optionally_the_chain():
     assert strict.reward(ex, "4+8=12,12+2=14;14") == 1.0
     for bad in ("4+8=12,12+2=15;14", "4+8=12,13+1=14;14", "4+8=13,13+1=14;14", "4+8=12,x;14", ";14"):
         assert strict.reward(ex, bad) == 0.0, bad
+
+
+def test_each_weak_demonstrator_has_its_own_flaw_which_the_reward_rejects():
+    mc = build_domain("mathchain", "synthetic:mathchain", {"weak_tasks": ["rsum"], "weak_rate": 1.0}, eval_size=10)
+    ifs = build_domain("ifshort", "synthetic:ifshort", {"weak_tasks": ["first"], "weak_rate": 1.0}, eval_size=10)
+    for dom, weak in ((mc, "rsum"), (ifs, "first")):
+        exs = dom.train_examples(300, random.Random(0))
+        flawed = [e for e in exs if "completion" in e.fields]
+        assert {e.prompt.split(":")[0] for e in flawed} == {weak}  # every weak-task example, nothing else
+        assert len(flawed) == sum(e.prompt.startswith(weak + ":") for e in exs)
+        assert all(dom.reward(e, e.fields["completion"]) == 0.0 and dom.reward(e, e.answer) == 1.0 for e in flawed)
+    assert all(e.fields["completion"] == e.answer + "." for e in mc.train_examples(50, random.Random(1))
+               if "completion" in e.fields)
+    for e in ifs.train_examples(50, random.Random(1)):  # one letter too many: the word's first two
+        if "completion" in e.fields:
+            assert e.fields["completion"] == e.prompt.split(":")[1][:2] and "." not in e.fields["completion"]
 
 
 def test_ifshort_reward_is_exact_match():
