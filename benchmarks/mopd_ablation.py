@@ -64,6 +64,8 @@ log = logging.getLogger("mopd.ablation")
 
 
 def _mean_std(vals: list[float]) -> dict:
+    if not vals:  # e.g. recovery where no seed's expert beat SFT
+        return {"mean": None, "std": None, "n": 0}
     return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
 
 
@@ -76,14 +78,17 @@ def token_shares(stage_dir: Path, domains: list[str]) -> dict:
     rows = _rows(stage_dir / "metrics.jsonl")
     out = {}
     for key in ("share", "loss_share"):
-        vals = {d: [r[f"tokens/{d}/{key}"] for r in rows if f"tokens/{d}/{key}" in r] for d in domains}
+        # a step without a domain's prompts has no key for it: that domain's share there is 0
+        logged = [r for r in rows if any(f"tokens/{d}/{key}" in r for d in domains)]
+        vals = {d: [r.get(f"tokens/{d}/{key}", 0.0) for r in logged] for d in domains}
         if all(vals.values()):
             out[key] = {d: statistics.fmean(v) for d, v in vals.items()}
     lengths = {d: [r[f"length/{d}"] for r in rows if f"length/{d}" in r] for d in domains}
     out["length"] = {d: statistics.fmean(v) for d, v in lengths.items() if v}
-    gap = {d: [r[f"gap/{d}/scale"] for r in rows if f"gap/{d}/scale" in r] for d in domains}
-    if all(gap.values()):
-        out["gap_scale"] = {d: statistics.fmean(v) for d, v in gap.items()}
+    for key in ("scale", "m"):  # gap-following: the per-domain advantage scale and running gap m_d
+        gap = {d: [r[f"gap/{key}/{d}"] for r in rows if f"gap/{key}/{d}" in r] for d in domains}
+        if all(gap.values()):
+            out[f"gap_{key}"] = {d: statistics.fmean(v) for d, v in gap.items()}
     return out
 
 
@@ -237,12 +242,14 @@ def markdown(result: dict) -> str:
               "| variant | " + " | ".join(domains) + " | total | " + " | ".join(f"recovery {d}" for d in domains)
               + " | recovery total | " + " | ".join(f"token share {d}" for d in domains) + " | "
               + " | ".join(f"loss share {d}" for d in domains) + " | MOPD wall s | paper total |",
-              "|---|" + "---:|" * (4 * len(domains) + 5)]
+              "|---|" + "---:|" * (4 * len(domains) + 4)]
     for v, (label, _) in VARIANTS.items():
         r = summ["variants"].get(v)
+        if r is None and v not in result["skipped"] and v not in result["variants"]:
+            continue  # not asked for
         if r is None:
             why = result["skipped"].get(v, "not run")
-            lines.append(f"| {label} | skipped: {why} |" + " |" * (4 * len(domains) + 4))
+            lines.append(f"| {label} | skipped: {why} |" + " |" * (4 * len(domains) + 3))
             continue
         ts, ls = r.get("token_share", {}), r.get("token_loss_share", {})
         lines.append(f"| {label} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " | "
