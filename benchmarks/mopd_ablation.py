@@ -125,23 +125,28 @@ def run_seed(args, seed: int, variants: list[str], result: dict, write) -> None:
         seed_res["wall_s"][f"eval-{label}"] = round(time.perf_counter() - t0, 1)
         return {d: rep.accuracy[label][d]["greedy"] for d in domains}
 
+    # with --resume, what an earlier invocation measured stays: a reused stage's seconds are not its training's
     t0 = time.perf_counter()
     sft = sft_stage(cfg, base_model(cfg), progress=False)
-    seed_res["wall_s"]["sft"] = round(time.perf_counter() - t0, 1)
-    seed_res["accuracy"]["sft"] = accuracy("sft", sft.model_dir)
+    seed_res["wall_s"].setdefault("sft", round(time.perf_counter() - t0, 1))
+    if "sft" not in seed_res["accuracy"]:
+        seed_res["accuracy"]["sft"] = accuracy("sft", sft.model_dir)
     experts = {}
     for d in cfg.expert_domains():
         t0 = time.perf_counter()
         out = expert_stage(cfg, d, sft.model_dir, progress=False)
-        seed_res["wall_s"][f"expert-{d}"] = round(time.perf_counter() - t0, 1)
+        seed_res["wall_s"].setdefault(f"expert-{d}", round(time.perf_counter() - t0, 1))
         experts[d] = out.model_dir
-        seed_res["accuracy"][f"expert-{d}"] = accuracy(f"expert-{d}", out.model_dir)
+        if f"expert-{d}" not in seed_res["accuracy"]:
+            seed_res["accuracy"][f"expert-{d}"] = accuracy(f"expert-{d}", out.model_dir)
     sft_acc = seed_res["accuracy"]["sft"]
     own = {d: seed_res["accuracy"][f"expert-{d}"][d] for d in domains}
     seed_res["expert_own"] = own
     write()
     for v in variants:
         label, extra = VARIANTS[v]
+        if v in seed_res["variants"]:  # measured by an earlier invocation (--resume)
+            continue
         try:
             vcfg = variant_config(args, seed, extra)
         except ConfigError as e:  # a key this checkout does not have yet
@@ -229,7 +234,9 @@ def markdown(result: dict) -> str:
              f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end: "
              "the machine was shared with other jobs, so the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
-             f"Command: `{result['command']}`", ""]
+             "Command(s), in order (`--resume` runs only what the earlier ones lacked): "
+             + "; ".join(f"`{i['command']}` (commit {(i.get('commit') or '?')[:8]})"
+                         for i in result.get("invocations") or [{"command": result["command"]}]), ""]
     if not summ:
         return "\n".join(lines + ["No finished stage yet."])
     lines += ["Held-out greedy accuracy (%), mean ± std over the seeds; total = mean over the domains:", "",
@@ -277,6 +284,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _git_head() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny_imbalanced")
@@ -285,6 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--output-dir", default=str(ROOT / "runs/bench-ablation"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/mopd_ablation.json"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what --out already holds (same --output-dir) and run only the variants it lacks, e.g. "
+                         "ones skipped before their config keys existed; the wall time adds up the invocations")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
@@ -304,9 +324,19 @@ def main(argv=None) -> int:
               "command": "python benchmarks/mopd_ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "domains": cfg.domain_names(), "per_seed": {}, "skipped": {}, "machine": machine_info(),
               "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started"}
+    result["invocations"] = [{"command": result["command"], "commit": _git_head()}]
+    prior_wall = 0.0
+    if args.resume and outp.exists():
+        prev = json.loads(outp.read_text())
+        if prev.get("config") != args.config or prev.get("overrides") != args.overrides:
+            ap.error(f"--resume: {outp} was written for --config {prev.get('config')} --set {prev.get('overrides')}")
+        result["per_seed"], prior_wall = prev["per_seed"], prev.get("wall_s", 0.0)
+        result["invocations"] = (prev.get("invocations") or [{"command": prev["command"], "commit": None}]) + \
+            result["invocations"]
+        load0 = (prev.get("load_average_1m", {}).get("start", load0[0]),)
 
     def write(final: bool = False) -> None:
-        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["wall_s"] = round(prior_wall + time.perf_counter() - t0, 1)
         result["load_average_1m"] = {"start": round(load0[0], 2), "end": round(os.getloadavg()[0], 2)}
         done = sum(len(s["variants"]) for s in result["per_seed"].values())
         if not final:
