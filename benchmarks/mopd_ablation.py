@@ -16,8 +16,9 @@ the paper's table (cumulative where it writes "+"):
 A variant whose config keys this checkout does not have yet (its overrides fail validation) is skipped and the
 table says why. Per variant: per-domain accuracy, the total (mean over domains), recovery
 (student − SFT) / (expert − SFT) per domain and for the total (expert total = the mean of each expert on its own
-domain), and each domain's share of the gradient tokens and of the loss weight (`tokens/<d>/share`,
-`tokens/<d>/loss_share`, the mean over the stage's steps in metrics.jsonl); mean ± std over the seeds; whether
+domain), and each domain's share of the completion tokens and of the gradient mass Σ w_t·|A_t|
+(`token_share/<d>`, `grad_share/<d>`: token-share weights and gap-following scales included; the mean over
+the stage's steps in metrics.jsonl); mean ± std over the seeds; whether
 Open-MOPD's ordering holds (naive < +share < +gap; K=4 share+gap > naive; refresh best) and by how much.
 
 Writes `benchmarks/results/mopd_ablation.{json,md}` after every finished variant (labelled partial until the
@@ -74,14 +75,14 @@ def _rows(p: Path) -> list[dict]:
 
 
 def token_shares(stage_dir: Path, domains: list[str]) -> dict:
-    """Mean over the stage's steps of each domain's gradient-token share and loss share (metrics.jsonl)."""
+    """Mean over the stage's steps of each domain's token share and gradient share (metrics.jsonl)."""
     rows = _rows(stage_dir / "metrics.jsonl")
     out = {}
-    for key in ("share", "loss_share"):
+    for key in ("token_share", "grad_share"):
         # a step without a domain's prompts has no key for it: that domain's share there is 0
-        logged = [r for r in rows if any(f"tokens/{d}/{key}" in r for d in domains)]
-        vals = {d: [r.get(f"tokens/{d}/{key}", 0.0) for r in logged] for d in domains}
-        if all(vals.values()):
+        logged = [r for r in rows if any(f"{key}/{d}" in r for d in domains)]
+        vals = {d: [r.get(f"{key}/{d}", 0.0) for r in logged] for d in domains}
+        if logged:
             out[key] = {d: statistics.fmean(v) for d, v in vals.items()}
     lengths = {d: [r[f"length/{d}"] for r in rows if f"length/{d}" in r] for d in domains}
     out["length"] = {d: statistics.fmean(v) for d, v in lengths.items() if v}
@@ -186,9 +187,9 @@ def summarize(result: dict) -> dict:
         row["total"] = _mean_std([r["total"] for r in runs])
         row["recovery"] = {k: _mean_std([r["recovery"][k] for r in runs if r["recovery"][k] is not None])
                            for k in [*domains, "total"]}
-        for key in ("share", "loss_share"):
+        for key in ("token_share", "grad_share"):
             if all(key in r["tokens"] for r in runs):
-                row[f"token_{key}"] = {d: _mean_std([r["tokens"][key][d] for r in runs]) for d in domains}
+                row[key] = {d: _mean_std([r["tokens"][key][d] for r in runs]) for d in domains}
         row["wall_s"] = _mean_std([r["wall_s"] for r in runs])
         summ["variants"][v] = row
     summ["ordering"] = ordering(summ["variants"])
@@ -245,10 +246,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " |")
     lines += ["", "MOPD variants, all from the same SFT model and experts of each seed. Recovery = (student − SFT) / "
               "(expert − SFT), % (Open-MOPD: naive 35.6 %, + refresh 83.4 %); token share = the domain's share of "
-              "the gradient tokens, loss share = of the loss weight after balancing (%, mean over steps):", "",
+              "the completion tokens, grad share = of Σ w_t·|A_t| (token-share weights and gap-following scales "
+              "included) (%, mean over steps):", "",
               "| variant | " + " | ".join(domains) + " | total | " + " | ".join(f"recovery {d}" for d in domains)
               + " | recovery total | " + " | ".join(f"token share {d}" for d in domains) + " | "
-              + " | ".join(f"loss share {d}" for d in domains) + " | MOPD wall s | paper total |",
+              + " | ".join(f"grad share {d}" for d in domains) + " | MOPD wall s | paper total |",
               "|---|" + "---:|" * (4 * len(domains) + 4)]
     for v, (label, _) in VARIANTS.items():
         r = summ["variants"].get(v)
@@ -258,7 +260,7 @@ def markdown(result: dict) -> str:
             why = result["skipped"].get(v, "not run")
             lines.append(f"| {label} | skipped: {why} |" + " |" * (4 * len(domains) + 3))
             continue
-        ts, ls = r.get("token_share", {}), r.get("token_loss_share", {})
+        ts, ls = r.get("token_share", {}), r.get("grad_share", {})
         lines.append(f"| {label} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " | "
                      + " | ".join(_pm(r["recovery"][k], fmt="{:.0f}") for k in [*domains, "total"]) + " | "
                      + " | ".join(_pm(ts.get(d, {})) for d in domains) + " | "

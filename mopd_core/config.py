@@ -374,6 +374,13 @@ class TeachersConfig(_Model):
     tensor_parallel_size: int = Field(1, ge=1, description="Served teachers: vLLM --tensor-parallel-size.")
     kv_cache_gib: int = Field(1, ge=1, description="Served teachers on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV "
                               "cache per server; vLLM's default asks for most of the RAM).")
+    # left out of the dump at their defaults: configs without them keep their fingerprints
+    conflict: Literal["none", "mask", "consensus"] = Field(
+        "none", exclude_if=lambda v: v == "none", description="routing=mixture: where the teachers' advantages at "
+        "the sampled token differ in sign by more than conflict_nats — `mask` zeroes the distillation advantage, "
+        "`consensus` takes the target of the teacher with the smallest advantage magnitude (docs/architecture.md).")
+    conflict_nats: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="teachers.conflict: spread "
+                                 "max_k ℓ_k − min_k ℓ_k (nats) above which opposite-sign teachers are in conflict.")
 
 
 class TrainConfig(_Model):
@@ -429,9 +436,28 @@ class PolicyLoopConfig(_Model):
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (ε_hi).")
     w_rl: float = Field(1.0, ge=0, description="Weight of the verifiable-reward GRPO advantage.")
     w_kd: float = Field(0.0, ge=0, description="Weight of the distillation advantage (teacher − behaviour).")
-    kd_loss: Literal["sampled_rkl", "jsd"] = Field("sampled_rkl", description="`sampled_rkl`: reverse KL on "
-                                                   "the sampled token as a per-token advantage; `jsd`: direct "
-                                                   "generalised JSD over teacher top-k (TRL GKD style).")
+    kd_loss: Literal["sampled_rkl", "jsd", "topk_rkl", "full_jsd"] = Field(
+        "sampled_rkl", description="`sampled_rkl`: reverse KL on the sampled token as a per-token advantage "
+        "(MiMo-V2-Flash); `jsd`: direct generalised JSD over teacher top-k (TRL GKD style); `topk_rkl`: Open-MOPD's "
+        "dense reverse KL over kd_top_k candidates per position, weighted by the student's renormalised "
+        "probabilities, a PPO ratio per candidate; `full_jsd`: exact JSD_β (jsd_beta) over the whole vocabulary, "
+        "chunked (local teachers, domain routing).")
+    # the fields below are left out of the dump at their defaults: configs without them keep their fingerprints
+    kd_top_k: int = Field(16, ge=1, exclude_if=lambda v: v == 16, description="kd_loss=topk_rkl: candidates per "
+                          "position (K; Open-MOPD uses 16).")
+    kd_candidates: Literal["student", "teacher", "union"] = Field(
+        "student", exclude_if=lambda v: v == "student", description="kd_loss=topk_rkl: the candidate set — the "
+        "student's top-K (Open-MOPD's only_stu), the teacher's top-K, or their union (up to 2K).")
+    gap_following: bool = Field(False, exclude_if=lambda v: not v, description="Scale each domain's distillation "
+                                "advantage by clip(m_d / mean(m), gap_clip) with m_d the running teacher–student gap "
+                                "of the domain (Open-MOPD); composes with balance=tokens.")
+    gap_clip: tuple[float, float] = Field((0.05, 20.0), exclude_if=lambda v: tuple(v) == (0.05, 20.0),
+                                          description="gap_following: [low, high] clip of the per-domain scale.")
+    gap_momentum: float = Field(0.9, ge=0, lt=1, exclude_if=lambda v: v == 0.9, description="gap_following: EMA "
+                                "momentum of the per-domain gap m_d (0 = this batch's gap only).")
+    reward_refresh: bool = Field(False, exclude_if=lambda v: not v, description="With minibatches > 1: recompute the "
+                                 "distillation advantage against the current student before each inner minibatch "
+                                 "update (teacher log-probs reused; Open-MOPD's M4). kd_loss sampled_rkl|topk_rkl.")
     kd_clip: float | None = Field(5.0, gt=0, description="Clip of the per-token distillation advantage (c).")
     jsd_beta: float = Field(1.0, ge=0, le=1, description="β of the JSD loss: 0 forward KL, 1 reverse KL.")
     jsd_top_k: int = Field(8, ge=1, description="Teacher top-k forming the JSD support (+ sampled + tail).")

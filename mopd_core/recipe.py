@@ -333,7 +333,7 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
 # TeachersConfig fields that change the teacher signal (the rest — pools, timeouts, ports — only change how it
 # is fetched) and therefore belong in the mopd stage fingerprint.
 TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights", "domain_mixture_weights",
-                         "temperature", "server_dtype"}
+                         "temperature", "server_dtype", "conflict", "conflict_nats"}
 
 
 def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],

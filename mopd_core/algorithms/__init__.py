@@ -21,6 +21,16 @@ Distillation signals (:mod:`.distill`):
     - ``generalized_jsd(student_logp, teacher_logp [B, T, S], beta, mask) -> scalar`` — TRL-GKD's ``JSD_β``
       (β=0 forward KL(T‖S), β=1 reverse KL(S‖T)), mean over unmasked positions.
 
+MOPD objectives (:mod:`.objectives`; docs/architecture.md "MOPD objectives"):
+    - ``candidate_slots(cand_ids [B, T, C], sampled_ids [B, T]) -> (slot_ids, kd_valid, rl_slot) [B, T, C+1]``.
+    - ``topk_rkl_advantages(student_logp, teacher_logp, kd_valid [B, T, S], mask, clip=None) -> [B, T, S]`` —
+      Open-MOPD's ``clip(ℓᵀ − ℓˢ) · p̃ˢ`` over the candidates.
+    - ``dense_policy_loss(logp, old_logp, advantages, slots [B, T, S], mask, clip_low, clip_high, token_weights)``
+      — PPO-clip per slot, summed over slots, token mean.
+    - ``domain_gaps`` / ``ema_gaps`` / ``gap_scales`` — gap-following's ``clip(m_d / mean(m), lo, hi)``.
+    - ``teacher_conflict(per_teacher_logp [K, B, T], student_logp, mask, nats) -> (conflict, pick) [B, T]``.
+    - ``full_vocab_divergence(h_s [N, H], W_s, h_t, W_t, beta, ...) -> [N]`` — exact ``JSD_β``, chunked (TRL).
+
 Log-probs from hidden states (:mod:`.logprobs`):
     - ``token_logprobs(hidden [N, H], weight [V, H], targets [N], LogitTransform(temperature, softcap, scale),
       impl="chunked", entropy=False, top_k=0, support_ids=None) -> TokenScores`` — log-prob (grad), entropy,
@@ -42,9 +52,22 @@ from mopd_core.algorithms.balance import BALANCE_KINDS, balance_weights, token_s
 from mopd_core.algorithms.distill import (MIX_KINDS, generalized_jsd, mix_teacher_logprobs, support_from_gathered,
                                          topk_support)
 from mopd_core.algorithms.loss import policy_loss
+from mopd_core.algorithms.objectives import (CANDIDATE_KINDS, CONFLICT_POLICIES, candidate_slots, dense_policy_loss,
+                                             domain_gaps, ema_gaps, full_vocab_divergence, gap_scales,
+                                             teacher_conflict, topk_rkl_advantages)
 
 __all__ = [
     "BALANCE_KINDS",
+    "CANDIDATE_KINDS",
+    "CONFLICT_POLICIES",
+    "candidate_slots",
+    "dense_policy_loss",
+    "domain_gaps",
+    "ema_gaps",
+    "full_vocab_divergence",
+    "gap_scales",
+    "teacher_conflict",
+    "topk_rkl_advantages",
     "MIX_KINDS",
     "balance_weights",
     "combine_advantages",

@@ -78,6 +78,7 @@ class CompletionScores:
     topk_ids: torch.Tensor | None = None      # [B,T,k]
     topk_logp: torch.Tensor | None = None     # [B,T,k] detached
     support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
+    hidden: torch.Tensor | None = None        # [N,H] final hidden states of the N real completion positions, row-major
 
 
 _BLOCK_MASK_WARN = 2**28  # elements of a block-diagonal mask (bool: 256 MiB) past which packing warns
@@ -127,7 +128,8 @@ def pack_rows(batch: RolloutBatch, block_mask: bool = True) -> PackedRows:
 
 def score_completions(model, batch: RolloutBatch, temperature: float = 1.0, *, impl: str = "chunked",
                       entropy: bool = False, top_k: int = 0, support_ids: torch.Tensor | None = None,
-                      micro_batch_size: int | None = None, packed: bool = False) -> CompletionScores:
+                      micro_batch_size: int | None = None, packed: bool = False,
+                      hidden: bool = False) -> CompletionScores:
     """Every scorer's log-probs of the completion tokens under `model` (trainer, local teachers, eval): per
     token the log-prob (gradients flow outside `no_grad`), optionally the detached entropy, a top-k (under
     `no_grad`) and the log-probs of `support_ids [B,T,S]`. `impl="chunked"` projects only the real completion
@@ -135,28 +137,32 @@ def score_completions(model, batch: RolloutBatch, temperature: float = 1.0, *, i
     backward); `"full"` is the model's own logits and a `log_softmax` over `[B,T,V]` (the path before chunking).
     `packed`: one forward over the rows' real tokens back to back (`pack_rows`: positions restart per row, a
     block-diagonal mask, or flash-attention's varlen path when the model uses it), no padding computed; the
-    same numbers as the padded forward up to float rounding (tested)."""
+    same numbers as the padded forward up to float rounding (tested). `hidden`: also the final hidden states of the
+    real completion positions `[N,H]` (row-major, as `completion_mask` lists them; chunked path only) — what a
+    full-vocabulary divergence projects through both models' heads (`algorithms.full_vocab_divergence`)."""
+    if hidden and impl != "chunked":
+        raise ValueError("hidden states come from the chunked path: use impl='chunked'")
     B, T = batch.completion_ids.shape
     step = micro_batch_size or B
     parts = []
     for s in range(0, B, step):
         sub = batch.select(range(s, min(B, s + step))) if step < B else batch
         sup = support_ids[s:s + step] if support_ids is not None else None
-        parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup, packed))
+        parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup, packed, hidden))
     if len(parts) == 1:
         return parts[0]
     return CompletionScores(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
-                              for f in ("logp", "entropy", "topk_ids", "topk_logp", "support_logp")))
+                              for f in ("logp", "entropy", "topk_ids", "topk_logp", "support_logp", "hidden")))
 
 
 def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, support_ids,
-                packed: bool = False) -> CompletionScores:
+                packed: bool = False, want_hidden: bool = False) -> CompletionScores:
     T = sub.completion_ids.shape[1]
     ids, am = sub.input_ids(), sub.attention_mask()
     mask = sub.completion_mask.bool()
     kw = dict(entropy=entropy, top_k=top_k)
     if packed:
-        return _score_packed(model, sub, mask, temperature, impl, support_ids, kw)
+        return _score_packed(model, sub, mask, temperature, impl, support_ids, kw, want_hidden)
     if impl == "full":
         logits, _ = forward(model, ids, am, position_ids(am), logits_to_keep=T + 1)
         # position P-1+t predicts completion token t
@@ -172,10 +178,12 @@ def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, sup
                         **kw)
     # masked_scatter keeps the result connected to the graph even when no position is real
     return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
-        _trail(mask, x.dim() - 1), x) for x in (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+        _trail(mask, x.dim() - 1), x) for x in (sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp)),
+        hidden=hidden if want_hidden else None)
 
 
-def _score_packed(model, sub: RolloutBatch, mask, temperature, impl, support_ids, kw) -> CompletionScores:
+def _score_packed(model, sub: RolloutBatch, mask, temperature, impl, support_ids, kw,
+                  want_hidden: bool = False) -> CompletionScores:
     flash = getattr(unwrap(model).config, "_attn_implementation", None) == "flash_attention_2"
     pk = pack_rows(sub, block_mask=not flash)
     targets = sub.completion_ids[mask]
@@ -194,7 +202,7 @@ def _score_packed(model, sub: RolloutBatch, mask, temperature, impl, support_ids
                             bias=head.bias, impl=impl, support_ids=sup, **kw)
         flat = [sc.logp, sc.entropy, sc.topk_ids, sc.topk_logp, sc.support_logp]
     return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
-        _trail(mask, x.dim() - 1), x) for x in flat))
+        _trail(mask, x.dim() - 1), x) for x in flat), hidden=hidden if want_hidden and impl != "full" else None)
 
 
 def _trail(mask: torch.Tensor, n: int) -> torch.Tensor:

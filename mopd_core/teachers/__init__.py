@@ -17,7 +17,8 @@ import torch
 
 from ..algorithms import mix_teacher_logprobs
 from ..errors import TeacherError  # noqa: F401 - teachers.TeacherError stays the public name
-from ..models import check_same_tokenizer, load_model, load_tokenizer, tokenizer_fingerprint
+from ..models import (check_same_tokenizer, load_model, load_tokenizer, logit_transform, tokenizer_fingerprint,
+                      unwrap)
 from ..rollout import RolloutBatch, score_completions
 
 
@@ -26,6 +27,18 @@ class TeacherScore:
     logp: torch.Tensor                    # [B,T] log-prob of each sampled token (0 where masked)
     topk_ids: torch.Tensor | None = None  # [B,T,k]
     topk_logp: torch.Tensor | None = None  # [B,T,k]
+    support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of the ids asked for (`support_ids`)
+
+
+@dataclass
+class TeacherHead:
+    """What a full-vocabulary divergence needs of a teacher beside its hidden states: its `lm_head` and the
+    transform between the projection and the softmax (`algorithms.full_vocab_divergence`)."""
+    weight: torch.Tensor                  # [V,H] on the scoring device of the student
+    bias: torch.Tensor | None
+    scale: float
+    softcap: float | None
+    temperature: float
 
 
 class Teacher:
@@ -39,6 +52,7 @@ class Teacher:
     stats: dict
     fingerprint: str | None = None
     in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
+    scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)
     param_bytes = 0     # bytes of those weights
 
     @property
@@ -53,6 +67,9 @@ class Teacher:
         """Give the device memory back after a turn (no-op without in-process weights)."""
 
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
+        """Log-probs of the sampled tokens (+ top-k). A scorer that can score arbitrary ids takes a keyword
+        `support_ids [B,T,S]` and fills `support_logp` (the local one; a vLLM server cannot: its prompt_logprobs
+        return the sampled token and the top-k only)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -63,6 +80,7 @@ class LocalTeacher(Teacher):
     """In-process teacher. With `offload`, weights live in CPU memory and visit the device only to score."""
 
     in_process = True
+    scores_any_ids = True
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None,
@@ -100,13 +118,36 @@ class LocalTeacher(Teacher):
             self._loaded = False
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
+    def score(self, batch: RolloutBatch, top_k: int = 0, support_ids: torch.Tensor | None = None) -> TeacherScore:
         t0 = time.perf_counter()
         self.load()
         try:
             sc = score_completions(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
-                                   micro_batch_size=self.batch_size)
-            out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp)
+                                   micro_batch_size=self.batch_size, support_ids=support_ids)
+            out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp, sc.support_logp)
+        finally:
+            self.unload()
+        self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["tokens"] += int(batch.completion_mask.sum())
+        self.stats["calls"] += 1
+        return out
+
+    @torch.no_grad()
+    def hidden(self, batch: RolloutBatch, device) -> tuple[TeacherScore, torch.Tensor, TeacherHead]:
+        """`score` plus the final hidden states of the real completion positions `[N,H]` (row-major) and the head
+        that projects them, on `device`, from the same forward (kd_loss=full_jsd: the divergence is taken over the
+        whole vocabulary, chunked)."""
+        t0 = time.perf_counter()
+        self.load()
+        try:
+            sc = score_completions(self.model, batch, self.temperature, impl="chunked",
+                                   micro_batch_size=self.batch_size, hidden=True)
+            head = unwrap(self.model).get_output_embeddings()
+            softcap, scale = logit_transform(self.model)
+            # a copy when the weights leave the device after the turn: the update projects through it later
+            w = head.weight.detach().to(device, copy=self._moves)
+            bias = None if head.bias is None else head.bias.detach().to(device, copy=self._moves)
+            out = TeacherScore(sc.logp), sc.hidden.to(device), TeacherHead(w, bias, scale, softcap, self.temperature)
         finally:
             self.unload()
         self.stats["seconds"] += time.perf_counter() - t0
@@ -134,6 +175,9 @@ class RoutedScore:
     seconds: float = 0.0
     # teacher → (rows it scored [n], its own log-probs of those rows [n,T]) — for per-teacher metrics
     per_teacher: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    support_logp: torch.Tensor | None = None  # [B,T,S] ℓᵀ of `support_ids` after routing / mixing
+    # mixture with support_ids: teacher → its own [B,T,S] (teachers.conflict=consensus picks among them)
+    per_teacher_support: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class TeacherRouter:
@@ -172,24 +216,37 @@ class TeacherRouter:
         w = torch.tensor(rows, dtype=torch.float32, device=device).reshape(len(teacher_ids), K)
         return w
 
-    def _score_all(self, jobs: list[tuple[str, RolloutBatch]], top_k: int, visit) -> list[TeacherScore]:
+    def _score_all(self, jobs: list[tuple[str, RolloutBatch]], top_k: int, visit,
+                   supports: list[torch.Tensor | None] | None = None) -> list[TeacherScore]:
         """Score each (teacher, rows) job. In-process teachers go one after another, each inside `visit(name)`
         (the colocated phase scheduler loads one teacher at a time); remote (http) teachers are independent
-        servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one."""
+        servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one.
+        `supports`: per job the ids `[n,T,S]` whose log-probs to return too (None: none)."""
+        supports = supports or [None] * len(jobs)
+        for (n, _), sup in zip(jobs, supports):
+            if sup is not None and not getattr(self.teachers[n], "scores_any_ids", False):
+                raise TeacherError(f"teacher '{n}' cannot score the student's candidate tokens (a vLLM server's "
+                                   "prompt_logprobs return the sampled token and its own top-k only); use a local "
+                                   "teacher or mopd.kd_candidates=teacher")
+
+        def one(n, b, sup):  # the keyword only when asked: a scorer without it (http) is never handed one
+            return self.teachers[n].score(b, top_k, **({} if sup is None else {"support_ids": sup}))
         local = [n for n, _ in jobs if self.teachers[n].in_process]
         if len(jobs) > 1 and not local:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="router") as ex:
-                futs = [ex.submit(self.teachers[n].score, b, top_k) for n, b in jobs]
+                futs = [ex.submit(one, n, b, sup) for (n, b), sup in zip(jobs, supports)]
                 return [f.result() for f in futs]  # every future finishes before the pool exits
         out = []
-        for n, b in jobs:
+        for (n, b), sup in zip(jobs, supports):
             with (visit(n) if visit is not None else nullcontext()):
-                out.append(self.teachers[n].score(b, top_k))
+                out.append(one(n, b, sup))
         return out
 
-    def score(self, batch: RolloutBatch, top_k: int = 0, visit=None) -> RoutedScore:
+    def score(self, batch: RolloutBatch, top_k: int = 0, visit=None,
+              support_ids: torch.Tensor | None = None) -> RoutedScore:
         """ℓᵀ for every completion token. `visit(teacher_name)` is an optional context manager entered around each
-        in-process teacher's turn (phase scheduling, memory accounting)."""
+        in-process teacher's turn (phase scheduling, memory accounting). `support_ids [B,T,S]`: also ℓᵀ of those
+        ids (kd_loss=topk_rkl's student candidates; local teachers only), mixed like ℓᵀ under mixture routing."""
         t0 = time.perf_counter()
         tids = [e.teacher_id for e in batch.examples]
         dev = batch.completion_ids.device
@@ -199,6 +256,7 @@ class TeacherRouter:
             index = torch.tensor([self.names.index(t) for t in tids], device=dev)
             tk_ids = torch.zeros(B, T, top_k, dtype=torch.long, device=dev) if top_k else None
             tk_lp = torch.zeros(B, T, top_k, device=dev) if top_k else None
+            sup = torch.zeros(support_ids.shape, device=dev) if support_ids is not None else None
             per = {}
             jobs, job_rows = [], []
             for k, name in enumerate(self.names):
@@ -206,22 +264,61 @@ class TeacherRouter:
                 if rows.numel():
                     jobs.append((name, batch.select(rows)))
                     job_rows.append(rows)
-            for (name, _), rows, s in zip(jobs, job_rows, self._score_all(jobs, top_k, visit)):
+            job_sup = None if support_ids is None else [support_ids[rows] for rows in job_rows]
+            for (name, _), rows, s in zip(jobs, job_rows, self._score_all(jobs, top_k, visit, job_sup)):
                 logp[rows] = s.logp.to(dev)
                 per[name] = (rows, s.logp.to(dev))
                 if top_k:
                     tk_ids[rows], tk_lp[rows] = s.topk_ids.to(dev), s.topk_logp.to(dev)
-            return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per)
+                if sup is not None:
+                    sup[rows] = s.support_logp.to(dev)
+            return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per, support_logp=sup)
         if top_k:
-            raise TeacherError("top-k scores (mopd.kd_loss=jsd) need teachers.routing=domain")
-        scored = self._score_all([(n, batch) for n in self.names], 0, visit)
+            raise TeacherError("top-k scores (mopd.kd_loss=jsd, or topk_rkl with teacher candidates) need "
+                               "teachers.routing=domain")
+        scored = self._score_all([(n, batch) for n in self.names], 0, visit,
+                                 None if support_ids is None else [support_ids] * len(self.names))
         scores = torch.stack([s.logp.to(dev) for s in scored])  # [K,B,T]
         w = self._weights(tids, dev)
+        cm = batch.completion_mask.bool()
         mixed = mix_teacher_logprobs(scores, w, self.mixture_kind)
-        mixed = torch.where(batch.completion_mask.bool(), mixed, torch.zeros_like(mixed))
+        mixed = torch.where(cm, mixed, torch.zeros_like(mixed))
         all_rows = torch.arange(B, device=dev)
+        sup, per_sup = None, {}
+        if support_ids is not None:  # each candidate mixed like the sampled token: [K,B,T,S] as [K,B,T·S]
+            st = torch.stack([s.support_logp.to(dev) for s in scored])
+            sup = mix_teacher_logprobs(st.flatten(2), w, self.mixture_kind).view(st.shape[1:])
+            sup = torch.where(cm.unsqueeze(-1), sup, torch.zeros_like(sup))
+            per_sup = {n: st[k] for k, n in enumerate(self.names)}
         return RoutedScore(mixed, w.argmax(-1), None, None, time.perf_counter() - t0,
-                           {n: (all_rows, scores[k]) for k, n in enumerate(self.names)})
+                           {n: (all_rows, scores[k]) for k, n in enumerate(self.names)}, sup, per_sup)
+
+    def hidden(self, batch: RolloutBatch, visit=None
+               ) -> tuple[RoutedScore, dict[str, tuple[torch.Tensor, torch.Tensor, TeacherHead]]]:
+        """kd_loss=full_jsd, domain routing: `score`'s ℓᵀ and, from the same forwards, teacher → (its rows [n], the
+        final hidden states of their real completion positions [N_t,H_t] row-major, its head); each in-process
+        teacher inside `visit(name)`."""
+        if self.routing != "domain":
+            raise TeacherError("mopd.kd_loss=full_jsd needs teachers.routing=domain")
+        t0 = time.perf_counter()
+        dev = batch.completion_ids.device
+        index = torch.tensor([self.names.index(e.teacher_id) for e in batch.examples], device=dev)
+        logp = torch.zeros(batch.completion_ids.shape, device=dev)
+        per, out = {}, {}
+        for k, name in enumerate(self.names):
+            rows = (index == k).nonzero().squeeze(-1)
+            if not rows.numel():
+                continue
+            t = self.teachers[name]
+            if not hasattr(t, "hidden"):
+                raise TeacherError(f"mopd.kd_loss=full_jsd needs local teachers (teachers.backend=local): teacher "
+                                   f"'{name}' cannot return hidden states")
+            with (visit(name) if visit is not None else nullcontext()):
+                sc, h, head = t.hidden(batch.select(rows), dev)
+            logp[rows] = sc.logp.to(dev)
+            per[name] = (rows, sc.logp.to(dev))
+            out[name] = (rows, h, head)
+        return RoutedScore(logp, index, seconds=time.perf_counter() - t0, per_teacher=per), out
 
     def stats(self) -> dict[str, dict]:
         return {n: dict(t.stats) for n, t in self.teachers.items()}

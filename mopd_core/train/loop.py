@@ -30,7 +30,9 @@ from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
 from ..domains.base import domain_rewards
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model, truncated_flags
-from ..models import load_model, load_tokenizer, model_shape, save_pretrained, tokenizer_fingerprint, unwrap
+from ..algorithms.logprobs import LogitTransform
+from ..models import (load_model, load_tokenizer, logit_transform, model_shape, save_pretrained, tokenizer_fingerprint,
+                      unwrap)
 from ..models.chat import carry_chat_template
 from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
@@ -40,6 +42,7 @@ from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, clai
                          read_stage, save_checkpoint, write_stage)
 from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
 from .pipeline import Produced
+from . import kd
 from . import timeline
 from .progress import StageProgress
 
@@ -109,6 +112,8 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
         raise ConfigError(f"{stage}: {sec}.w_rl and {sec}.w_kd are both 0 — nothing to learn from; set one > 0")
     recipe.mix_weights(loop_cfg, sec, names)
     rt = recipe.runtime
+    if loop_cfg.w_kd > 0 and has_teachers:
+        check_objective(stage, loop_cfg, recipe)
     if rt.placement == "async":
         if recipe.rollout.backend != "served":
             raise ConfigError(f"{stage}: runtime.placement=async needs rollout.backend=served (the student "
@@ -134,6 +139,57 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
                               f"make it a multiple of {rt.num_workers}")
 
 
+def check_objective(stage: str, m: PolicyLoopConfig, recipe: RecipeConfig) -> None:
+    """The distillation objective's combinations the loop cannot run (docs/architecture.md, "MOPD objectives"):
+    one line each, before any compute."""
+    sec, t, rt = _section(m), recipe.teachers, recipe.runtime
+    new = m.kd_loss in ("topk_rkl", "full_jsd") or m.gap_following or m.reward_refresh or t.conflict != "none"
+    if new and rt.strategy != "single":
+        raise ConfigError(f"{stage}: {sec}.kd_loss={m.kd_loss} / gap_following / reward_refresh / teachers.conflict "
+                          f"run in one process for now (the Ray workers' update does not take them); set "
+                          f"runtime.strategy=single")
+    if new and rt.placement == "async":
+        raise ConfigError(f"{stage}: {sec}.kd_loss={m.kd_loss} / gap_following / reward_refresh / teachers.conflict "
+                          "need the student's candidate pass beside the teachers', which the async pipeline's scorer "
+                          "thread does not run; set runtime.placement=colocated or disaggregated")
+    if m.gap_following and not 0 < m.gap_clip[0] <= 1 <= m.gap_clip[1]:
+        raise ConfigError(f"{stage}: {sec}.gap_clip={list(m.gap_clip)} must be [low, high] with 0 < low ≤ 1 ≤ high "
+                          "(e.g. [0.05, 20])")
+    if m.reward_refresh and m.minibatches < 2:
+        raise ConfigError(f"{stage}: {sec}.reward_refresh recomputes the advantage between inner minibatch updates, "
+                          f"but {sec}.minibatches={m.minibatches}; set {sec}.minibatches ≥ 2 or reward_refresh=false")
+    if (m.reward_refresh or m.gap_following or t.conflict != "none") and m.kd_loss not in kd.ADVANTAGE_KD:
+        raise ConfigError(f"{stage}: {sec}.reward_refresh / gap_following / teachers.conflict act on the distillation "
+                          f"advantage, but {sec}.kd_loss={m.kd_loss} is a direct loss; use kd_loss sampled_rkl or "
+                          "topk_rkl")
+    if t.conflict != "none" and t.routing != "mixture":
+        raise ConfigError(f"{stage}: teachers.conflict={t.conflict} compares the teachers of a mixture, but "
+                          f"teachers.routing={t.routing} scores each token by one teacher; set teachers.routing="
+                          "mixture or teachers.conflict=none")
+    if m.kd_loss == "topk_rkl":
+        if t.backend == "http" and m.kd_candidates != "teacher":
+            raise ConfigError(f"{stage}: {sec}.kd_candidates={m.kd_candidates} needs the teachers' log-probs of the "
+                              "student's top-K tokens, which a vLLM server's prompt_logprobs cannot return (only the "
+                              f"sampled token and its own top-k); use teachers.backend=local or {sec}.kd_candidates="
+                              "teacher")
+        if m.kd_candidates != "student" and t.routing != "domain":
+            raise ConfigError(f"{stage}: {sec}.kd_candidates={m.kd_candidates} takes each teacher's own top-K, which "
+                              f"a mixture does not have; set teachers.routing=domain or {sec}.kd_candidates=student")
+        if t.backend == "http" and m.kd_top_k > t.max_logprobs:
+            raise ConfigError(f"{stage}: {sec}.kd_top_k={m.kd_top_k} exceeds teachers.max_logprobs="
+                              f"{t.max_logprobs} (the servers' --max-logprobs): lower {sec}.kd_top_k or raise "
+                              "teachers.max_logprobs")
+    if m.kd_loss == "full_jsd":
+        if t.backend != "local" or t.routing != "domain":
+            raise ConfigError(f"{stage}: {sec}.kd_loss=full_jsd projects each local teacher's hidden states through "
+                              f"its lm_head (a vLLM server returns top-k log-probs only, a mixture has no single "
+                              f"head), but teachers.backend={t.backend}, routing={t.routing}; use teachers.backend="
+                              f"local with routing=domain, or {sec}.kd_loss=jsd")
+        if recipe.train.logprob_impl != "chunked":
+            raise ConfigError(f"{stage}: {sec}.kd_loss=full_jsd runs on the chunked path; set "
+                              "train.logprob_impl=chunked")
+
+
 def sample_prompts(domains: Mapping[str, object], weights: list[float], n: int, rng: random.Random):
     names = list(domains)
     picks = rng.choices(range(len(names)), weights=weights, k=n)
@@ -154,20 +210,6 @@ def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[s
     for v, g in zip(values.tolist(), groups):
         acc[g].append(v)
     return {f"{prefix}/{g}": sum(v) / len(v) for g, v in acc.items()}
-
-
-def _token_shares(mask: torch.Tensor, groups: list[str], token_w: torch.Tensor | None) -> dict[str, float]:
-    """tokens/<d>/share: domain d's share of the step's gradient tokens (Open-MOPD's diagnosis: a short-answer
-    domain holds its share of the prompts but far less of the tokens); tokens/<d>/loss_share: its share of the
-    loss weight after `balance` (the token share when unbalanced)."""
-    w = mask if token_w is None else token_w * mask
-    tok, wt = mask.sum(1).tolist(), w.sum(1).tolist()
-    n, nw = max(sum(tok), 1e-12), max(sum(wt), 1e-12)
-    out: dict[str, float] = {}
-    for g in dict.fromkeys(groups):
-        out[f"tokens/{g}/share"] = sum(t for t, x in zip(tok, groups) if x == g) / n
-        out[f"tokens/{g}/loss_share"] = sum(t for t, x in zip(wt, groups) if x == g) / nw
-    return out
 
 
 def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
@@ -275,6 +317,13 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
         # only domains whose rewards depend on it (zero_if_truncated) need the flags
         flag_cut_offs = any(getattr(d, "uses_truncation", False) for d in domains.values())
         top_k = loop_cfg.jsd_top_k if (teachers is not None and loop_cfg.kd_loss == "jsd") else 0
+        distil = teachers is not None and loop_cfg.w_kd > 0
+        dense = distil and loop_cfg.kd_loss == "topk_rkl"
+        full_jsd = distil and loop_cfg.kd_loss == "full_jsd"
+        conflict = recipe.teachers.conflict if distil else "none"
+        # advantage-form distillation the update may recompute or that gap/conflict scale: built as a KDPlan
+        planned = distil and (dense or loop_cfg.reward_refresh or loop_cfg.gap_following or conflict != "none")
+        gaps = kd.restore_gaps(metrics_path, names) if loop_cfg.gap_following else None
         ro = recipe.rollout
 
         def generate_step(step: int) -> Produced:
@@ -308,8 +357,16 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
             sc["rewards"] = torch.tensor(_rewards(domains, batch, cut_off), dtype=torch.float32, device=device)
             t0 = time.perf_counter()
             before = teachers.stats() if teachers is not None else {}
-            sc["routed"] = (teachers.score(batch, top_k=top_k, visit=None if async_mode else phases.teacher)
-                            if teachers is not None else None)
+            visit = None if async_mode else phases.teacher
+            if teachers is not None and dense:
+                (sc["routed"], *sc["dense"]) = kd.dense_candidates(
+                    model, batch, teachers, kind=loop_cfg.kd_candidates, k=loop_cfg.kd_top_k,
+                    temperature=ro.temperature, impl=recipe.train.logprob_impl,
+                    micro_batch_size=loop_cfg.micro_batch_size, amp=amp, packed=recipe.train.packing, visit=visit)
+            elif full_jsd:  # ℓᵀ and the hidden states from one forward per teacher
+                sc["routed"], sc["full"] = kd.FullJSD.from_router(teachers, batch, visit)
+            else:
+                sc["routed"] = (teachers.score(batch, top_k=top_k, visit=visit) if teachers is not None else None)
             sc["t_score"] = time.perf_counter() - t0
             sc["teacher_stats"] = _teacher_stat_deltas(before, teachers.stats()) if teachers is not None else {}
             p.times["score"] = [c0, clock.now()]
@@ -360,12 +417,20 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                     a_rl = alg.grpo_advantages(rewards, G, scale_by_std=loop_cfg.scale_by_std)
                     adv = adv + loop_cfg.w_rl * a_rl[:, None] * mask
                     m["adv/rl_abs_mean"] = float(a_rl.abs().mean())
-                if routed is not None and loop_cfg.kd_loss == "sampled_rkl":
+                group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
+                plan = None
+                if planned:
+                    adv, plan, pm, gaps = _kd_plan(loop_cfg, conflict, recipe.teachers.conflict_nats, routed,
+                                                   produced.scored.get("dense"), batch, mask, adv, group_ids, names,
+                                                   gaps)
+                    m.update(pm)
+                elif routed is not None and loop_cfg.kd_loss == "sampled_rkl":
                     a_kd = alg.reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask, clip=loop_cfg.kd_clip)
                     adv = adv + loop_cfg.w_kd * a_kd
                     m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
-                group_ids = torch.tensor([names.index(e.teacher_id) for e in batch.examples], device=device)
                 token_w = alg.balance_weights(loop_cfg.balance, group_ids, mask)
+                if routed is not None:  # each domain's share of the tokens and of the weighted advantage mass
+                    m.update(_domain_shares(adv, token_w, mask, group_ids, names))
 
                 t0, c_train = time.perf_counter(), clock.now()
                 with phases.train():
@@ -375,7 +440,8 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                                                 recipe.rollout.temperature, rng, recipe.train.logprob_impl,
                                                 recipe.train.max_tokens_per_micro_batch,
                                                 packed=recipe.train.packing, proximal=proximal,
-                                                is_cap=recipe.async_.is_cap, is_mode=recipe.async_.is_mode)
+                                                is_cap=recipe.async_.is_cap, is_mode=recipe.async_.is_mode,
+                                                plan=plan, full=produced.scored.get("full"))
                     else:  # the workers update; this copy follows them (the next rollout samples from it)
                         upd = trainer.update(batch, adv, token_w, temperature=recipe.rollout.temperature,
                                              seed=rng.getrandbits(31),
@@ -399,8 +465,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
                 m.update(_group_stats(rewards, doms, "reward"))
                 m["reward/mean"] = float(rewards.mean())
                 m.update(_group_stats(mask.sum(1), doms, "length"))
-                m.update(_token_shares(mask, doms, token_w))
-                adv_tok = adv[mask.bool()]
+                adv_tok = (adv.sum(-1) if adv.dim() == 3 else adv)[mask.bool()]
                 m["adv/mean"] = float(adv_tok.mean()) if n_tok else 0.0
                 m["adv/std"] = float(adv_tok.std()) if n_tok > 1 else 0.0
                 if routed is not None:
@@ -562,11 +627,81 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
     return out
 
 
+def _domain_shares(adv, token_w, mask, group_ids, names: list[str]) -> dict[str, float]:
+    """`token_share/<d>`: the domain's share of the completion tokens; `grad_share/<d>`: its share of
+    Σ w_t·|A_t| (token weights × advantage magnitude, summed over a dense loss's slots) — Open-MOPD's diagnosis
+    of a short-answer domain that holds many prompts but few gradient tokens."""
+    a = (adv.sum(-1) if adv.dim() == 3 else adv).abs() * mask
+    if token_w is not None:
+        a = a * token_w
+    tok, mass = mask.sum(-1), a.sum(-1)
+    out = {}
+    for d, n in enumerate(names):
+        rows = group_ids == d
+        if rows.any():
+            out[f"token_share/{n}"] = float(tok[rows].sum() / tok.sum().clamp(min=1))
+            out[f"grad_share/{n}"] = float(mass[rows].sum() / mass.sum()) if float(mass.sum()) > 0 else 0.0
+    return out
+
+
+def _kd_plan(cfg: PolicyLoopConfig, conflict: str, nats: float, routed, dense, batch: RolloutBatch, mask, adv,
+             group_ids, names: list[str], gaps):
+    """The step's advantage with the distillation term as a `kd.KDPlan` (dense top-K, reward refresh,
+    gap-following, teacher conflict): `(advantage [B,T] or [B,T,S], plan, metrics, running gaps)`. `adv` holds the
+    GRPO part `[B,T]`."""
+    m: dict[str, float] = {}
+    n_tok = mask.sum().clamp(min=1)
+    if dense is not None:
+        slot_ids, kd_valid, rl_slot, old, teacher = dense
+        anchor = old[..., -1]  # the student's log-prob of the sampled token before the update
+    else:
+        teacher, anchor = routed.logp, batch.behaviour_logp
+    keep = torch.ones_like(mask)
+    if conflict != "none":
+        tnames = list(routed.per_teacher)
+        per = torch.stack([routed.per_teacher[n][1] for n in tnames])  # mixture: every teacher scored every row
+        hit, pick = alg.teacher_conflict(per, anchor, mask, nats)
+        if conflict == "mask":
+            keep = keep * (~hit).to(keep.dtype)
+        elif dense is not None:  # the picked teacher's log-probs of every slot
+            per_s = torch.stack([torch.cat([routed.per_teacher_support[n], routed.per_teacher[n][1].unsqueeze(-1)], -1)
+                                 for n in tnames]).to(teacher.dtype)
+            chosen = per_s.gather(0, pick[None, ..., None].expand((1,) + per_s.shape[1:]))[0]
+            teacher = torch.where(hit.unsqueeze(-1), chosen, teacher)
+        else:
+            teacher = torch.where(hit, per.gather(0, pick[None])[0], teacher)
+        m["conflict/frac"] = float(hit.sum() / n_tok)
+    if dense is not None:
+        a_kd = alg.topk_rkl_advantages(old, teacher, kd_valid, mask, cfg.kd_clip)
+    else:
+        a_kd = alg.reverse_kl_advantages(teacher, batch.behaviour_logp, mask, clip=cfg.kd_clip)
+    m["adv/kd_mean"] = float(((a_kd.sum(-1) if dense is not None else a_kd) * mask).sum() / n_tok)
+    scale = torch.ones_like(mask)
+    if cfg.gap_following:
+        g = alg.domain_gaps(a_kd, group_ids, mask, len(names))
+        gaps = alg.ema_gaps(gaps, g.tolist(), cfg.gap_momentum)
+        scales = alg.gap_scales(gaps, *cfg.gap_clip)
+        scale = torch.tensor(scales, dtype=mask.dtype, device=mask.device)[group_ids].unsqueeze(-1).expand_as(mask)
+        for n, gm, sc in zip(names, gaps, scales):
+            if gm is not None:
+                m[f"gap/m/{n}"], m[f"gap/scale/{n}"] = gm, sc
+    factor = cfg.w_kd * scale * keep  # exactly w_kd where no scale or conflict applies
+    if dense is None:
+        plan = kd.KDPlan(False, teacher, factor, adv, cfg.kd_clip, cfg.reward_refresh)
+        return adv + factor * a_kd, plan, m, gaps
+    rl_adv = rl_slot.to(adv.dtype) * adv.unsqueeze(-1)  # the GRPO outcome term on the sampled token's slot only
+    plan = kd.KDPlan(True, teacher, factor, rl_adv, cfg.kd_clip, cfg.reward_refresh, slot_ids, old, kd_valid,
+                     kd_valid | rl_slot)
+    m["kd/candidates_per_token"] = float((kd_valid & mask.bool().unsqueeze(-1)).sum() / n_tok)
+    return rl_adv + factor.unsqueeze(-1) * a_kd, plan, m, gaps
+
+
 def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, routed, cfg: PolicyLoopConfig,
             temperature: float, rng: random.Random, logprob_impl: str = "chunked",
             max_tokens: int | None = None, agree: Callable[[int], int] | None = None,
             packed: bool = False, kd_scale: float = 1.0, proximal: torch.Tensor | None = None,
-            is_cap: float | None = None, is_mode: str = "truncate") -> dict[str, float]:
+            is_cap: float | None = None, is_mode: str = "truncate", plan: "kd.KDPlan | None" = None,
+            full: "kd.FullJSD | None" = None) -> dict[str, float]:
     """`cfg.minibatches` optimizer steps over the batch; gradient accumulation over micro-batches with each
     micro-loss scaled by its token share, so the objective is the token-mean over the whole minibatch.
     `logprob_impl` is train.logprob_impl (`rollout.score_completions`). `max_tokens` is
@@ -580,7 +715,9 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     counting real tokens. `kd_scale` multiplies the JSD term (a Ray worker's `world · n_local / n_global`, the
     factor its token weights carry for the policy loss, so the ranks' mean is the whole batch's token mean).
     `proximal` ([B,T], async stale samples): the decoupled PPO objective's proximal log-probs, with the importance
-    weight π_prox/π_behav capped at `is_cap` as `is_mode` says (`algorithms.policy_loss`)."""
+    weight π_prox/π_behav capped at `is_cap` as `is_mode` says (`algorithms.policy_loss`). `plan`: the dense top-K
+    loss (`adv` is then `[B,T,S]` over its slots) and/or reward refresh (`kd.KDPlan`); `full`: the teachers' hidden
+    states of kd_loss=full_jsd, whose divergence joins the loss like the top-k JSD."""
     B = batch.size
     order = list(range(B))
     if cfg.minibatches > 1:
@@ -590,7 +727,13 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
     use_jsd = routed is not None and cfg.kd_loss == "jsd"
     lens = row_lengths(batch) if max_tokens is not None else None
     computed = real = 0
-    for mb in mbs:
+    dense = plan is not None and plan.dense
+    refresh = plan is not None and plan.refresh
+    if full is not None:
+        head = unwrap(model).get_output_embeddings()
+        softcap, scale = logit_transform(model)
+        s_tr = LogitTransform(temperature, softcap, scale)
+    for mb_i, mb in enumerate(mbs):
         opt.zero_grad(set_to_none=True)
         n_mb = float(mask[mb].sum()) or 1.0
         if max_tokens is not None:
@@ -610,15 +753,25 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             c, r = padded_positions(sub)
             c = r if packed else c  # packed: only the real tokens are computed
             computed, real = computed + c, real + (0 if idle else r)
-            sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True,
-                                   support_ids=routed.topk_ids[rows, :t] if use_jsd else None, packed=packed)
+            sup = routed.topk_ids[rows, :t] if use_jsd else plan.slot_ids[rows, :t] if dense else None
+            sc = score_completions(model, sub, temperature, impl=logprob_impl, entropy=True, support_ids=sup,
+                                   packed=packed, hidden=full is not None)
             logp, ent = sc.logp, sc.entropy
             mk = mask[rows, :t]
             tw = token_w[rows, :t] if token_w is not None else None
-            dec = {} if proximal is None else {"proximal_logp": proximal[rows, :t], "is_cap": is_cap,
-                                               "is_mode": is_mode}
-            loss, met = alg.policy_loss(logp, sub.behaviour_logp, adv[rows, :t], mk, cfg.clip_low, cfg.clip_high,
-                                        token_weights=tw, **dec)
+            a = adv[rows, :t]
+            if refresh and mb_i > 0 and not idle:  # the first minibatch's weights made the stored advantage
+                a = plan.advantage((sc.support_logp if dense else logp).detach(), rows, t, mk)
+                diff = (a - adv[rows, :t]).abs()
+                agg["refresh/kd_adv_change"] += float((diff.sum(-1) if dense else diff).mul(mk).sum()) / n_mb
+            if dense:
+                loss, met = alg.dense_policy_loss(sc.support_logp, plan.old_logp[rows, :t], a, plan.slots[rows, :t],
+                                                  mk, cfg.clip_low, cfg.clip_high, token_weights=tw)
+            else:
+                dec = {} if proximal is None else {"proximal_logp": proximal[rows, :t], "is_cap": is_cap,
+                                                   "is_mode": is_mode}
+                loss, met = alg.policy_loss(logp, sub.behaviour_logp, a, mk, cfg.clip_low, cfg.clip_high,
+                                            token_weights=tw, **dec)
             # weight by tokens, not by micro-batch count: the minibatch's token mean (0: a pass only to stay in step)
             share = 0.0 if idle else float(mk.sum()) / n_mb
             total = loss * share
@@ -627,6 +780,10 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
                                                          routed.topk_logp[rows, :t], sub.completion_ids,
                                                          routed.logp[rows, :t])
                 jsd = alg.generalized_jsd(s_sup, t_sup, cfg.jsd_beta, mk)
+                total = total + cfg.w_kd * jsd * share * kd_scale
+                agg["jsd"] += float(jsd.detach()) * share * kd_scale / len(mbs)
+            if full is not None:
+                jsd = full.divergence(sc.hidden, head, s_tr, rows, mk.bool(), cfg.jsd_beta) / max(float(mk.sum()), 1.0)
                 total = total + cfg.w_kd * jsd * share * kd_scale
                 agg["jsd"] += float(jsd.detach()) * share * kd_scale / len(mbs)
             total.backward()

@@ -126,23 +126,3 @@ def test_final_answer_is_in_the_verifier_registry_with_checked_args():
     with pytest.raises(DomainError, match="unknown verifier_args"):
         get_verifier("final_answer", mode="boxed")
 
-
-def test_the_loop_logs_each_domains_share_of_the_gradient_tokens_and_of_the_loss():
-    import torch
-
-    from mopd_core.algorithms import balance_weights
-    from mopd_core.train.loop import _token_shares
-
-    # 3 long rows (18 tokens) and 1 short row (2 tokens): the short domain has 25 % of the rows, 2/56 of the tokens
-    mask = torch.zeros(4, 20)
-    for i, n in enumerate((18, 18, 18, 2)):
-        mask[i, :n] = 1
-    doms = ["mathchain"] * 3 + ["ifshort"]
-    plain = _token_shares(mask, doms, None)
-    assert plain["tokens/ifshort/share"] == pytest.approx(2 / 56) == plain["tokens/ifshort/loss_share"]
-    assert plain["tokens/mathchain/share"] + plain["tokens/ifshort/share"] == pytest.approx(1.0)
-    w = balance_weights("tokens", torch.tensor([0, 0, 0, 1]), mask)  # each domain's loss share = its row share
-    bal = _token_shares(mask, doms, w)
-    assert bal["tokens/ifshort/share"] == pytest.approx(2 / 56)
-    assert bal["tokens/ifshort/loss_share"] == pytest.approx(0.25) and bal["tokens/mathchain/loss_share"] == \
-        pytest.approx(0.75)

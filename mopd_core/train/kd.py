@@ -1,0 +1,153 @@
+"""The policy loop's distillation objectives beyond the sampled-token advantage (docs/architecture.md, "MOPD
+objectives"): the candidates of the dense top-K reverse KL, the distillation advantage as a term the update can
+recompute against the current student (reward refresh), gap-following and teacher-conflict scales, and the
+teachers' hidden states of the full-vocabulary JSD. The math is `algorithms.objectives`; this is the plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import algorithms as alg
+from ..rollout import RolloutBatch, score_completions
+
+ADVANTAGE_KD = ("sampled_rkl", "topk_rkl")  # the kd losses that enter as an advantage (refresh, gap, conflict)
+
+
+@dataclass
+class KDPlan:
+    """What `policy_update` needs beyond the step's advantage for the new objectives.
+
+    Sampled token (`dense` False): `teacher [B,T]`; the advantage is `rl_adv + factor · clip(ℓᵀ − ℓ)`.
+    Dense (`topk_rkl`): slots `[B,T,S]` = candidates + the sampled token (`alg.candidate_slots`), the
+    student's log-probs of them before the update `old_logp`, the teacher's `teacher`; the advantage is
+    `rl_adv (on rl_slot) + factor · r(k)`. `refresh`: recompute the kd part with the current student's log-probs
+    from the update's own forward before each minibatch after the first (the first sees the weights that produced
+    the stored advantage, so refreshing it changes nothing)."""
+    dense: bool
+    teacher: torch.Tensor
+    factor: torch.Tensor                  # [B,T] w_kd · gap scale · conflict keep
+    rl_adv: torch.Tensor                  # [B,T] (sampled) or [B,T,S] (dense, GRPO on the rl slot only)
+    clip: float | None
+    refresh: bool = False
+    slot_ids: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    kd_valid: torch.Tensor | None = None
+    slots: torch.Tensor | None = None     # kd_valid | rl_slot: the slots with a loss
+
+    def kd_advantage(self, student: torch.Tensor, rows, t: int, mask: torch.Tensor) -> torch.Tensor:
+        """The factor-weighted kd advantage of `rows` (first `t` positions) against `student` log-probs."""
+        if self.dense:
+            r = alg.topk_rkl_advantages(student, self.teacher[rows, :t], self.kd_valid[rows, :t], mask, self.clip)
+            return self.factor[rows, :t, None] * r
+        return self.factor[rows, :t] * alg.reverse_kl_advantages(self.teacher[rows, :t], student, mask,
+                                                                  clip=self.clip)
+
+    def advantage(self, student: torch.Tensor, rows, t: int, mask: torch.Tensor) -> torch.Tensor:
+        return self.rl_adv[rows, :t] + self.kd_advantage(student, rows, t, mask)
+
+
+@dataclass
+class FullJSD:
+    """kd_loss=full_jsd: per teacher its rows' positions, padded hidden states `[n,T,H]` and head."""
+    index: torch.Tensor                   # [B] teacher of each row (index into `names`)
+    pos: torch.Tensor                     # [B] the row's place in its teacher's `hidden`
+    names: list[str]
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    heads: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_router(cls, router, batch: RolloutBatch, visit=None):
+        """`(routed, FullJSD)`: the teachers' ℓᵀ (metrics, a `w_rl` advantage's company) and their hidden states,
+        from one forward per teacher."""
+        names = list(router.names)
+        B, T = batch.completion_ids.shape
+        dev = batch.completion_ids.device
+        index = torch.zeros(B, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, dtype=torch.long, device=dev)
+        out = cls(index, pos, names)
+        cm = batch.completion_mask.bool()
+        routed, states = router.hidden(batch, visit)
+        for name, (rows, h, head) in states.items():
+            index[rows] = names.index(name)
+            pos[rows] = torch.arange(rows.numel(), device=dev)
+            m = cm[rows]
+            out.hidden[name] = h.new_zeros(m.shape + (h.shape[-1],)).masked_scatter(m.unsqueeze(-1), h)
+            out.heads[name] = head
+        return routed, out
+
+    def divergence(self, student_hidden: torch.Tensor, student_head, s_transform, rows: list[int], mask: torch.Tensor,
+                   beta: float) -> torch.Tensor:
+        """Sum over the micro-batch's real positions of JSD_β(teacher ‖ student) over the whole vocabulary.
+        `student_hidden [N,H]` row-major over `mask [b,t]` (the micro-batch's rows)."""
+        b, t = mask.shape
+        hs = student_hidden.new_zeros((b, t, student_hidden.shape[-1])).masked_scatter(mask.unsqueeze(-1),
+                                                                                        student_hidden)
+        rows_t = torch.as_tensor(rows, device=mask.device)
+        total = student_hidden.sum() * 0.0  # connected to the graph when no teacher has a row here
+        for k, name in enumerate(self.names):
+            sel = (self.index[rows_t] == k).nonzero().squeeze(-1)
+            if not sel.numel():
+                continue
+            m = mask[sel]
+            head = self.heads[name]
+            h_t = self.hidden[name][self.pos[rows_t[sel]], :t][m]
+            div = alg.full_vocab_divergence(
+                hs[sel][m], student_head.weight, h_t, head.weight, beta, student_bias=student_head.bias,
+                teacher_bias=head.bias, student_scale=s_transform.scale, teacher_scale=head.scale,
+                student_softcap=s_transform.softcap, teacher_softcap=head.softcap,
+                student_temperature=s_transform.temperature, teacher_temperature=head.temperature)
+            total = total + div.sum().to(total.dtype)
+        return total
+
+
+def dense_candidates(model, batch: RolloutBatch, router, *, kind: str, k: int, temperature: float, impl: str,
+                     micro_batch_size: int | None, amp, packed: bool, visit=None):
+    """Candidates of the dense top-K reverse KL and everybody's log-probs of them, before the update.
+
+    `student`: one no-grad student pass gives its top-K and their log-probs (the old policy of every slot); the
+    teachers score those ids. `teacher`: the teachers' top-K, then a student pass over the slots. `union`: both
+    (two student passes). Returns `(routed, slot_ids, kd_valid, rl_slot, old_logp [B,T,S], teacher_logp [B,T,S])`.
+    """
+    def student(**kw):
+        with torch.no_grad(), amp():
+            return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size,
+                                     packed=packed, **kw)
+
+    s = student(top_k=k) if kind in ("student", "union") else None
+    routed = router.score(batch, top_k=k if kind in ("teacher", "union") else 0, visit=visit,
+                          support_ids=None if s is None else s.topk_ids)
+    parts_ids, parts_t = [], []
+    if s is not None:
+        parts_ids.append(s.topk_ids)
+        parts_t.append(routed.support_logp)
+    if kind in ("teacher", "union"):
+        parts_ids.append(routed.topk_ids)
+        parts_t.append(routed.topk_logp)
+    cand = torch.cat(parts_ids, -1)
+    slot_ids, kd_valid, rl_slot = alg.candidate_slots(cand, batch.completion_ids)
+    teacher = torch.cat(parts_t + [routed.logp.unsqueeze(-1)], -1).float()
+    if kind == "student":  # the scan that found the top-K also scored them and the sampled token
+        old = torch.cat([s.topk_logp, s.logp.unsqueeze(-1)], -1)
+    else:
+        old = student(support_ids=slot_ids).support_logp
+    cm = batch.completion_mask.bool().unsqueeze(-1)
+    old = torch.where(cm, old.float(), torch.zeros_like(teacher))
+    return routed, slot_ids, kd_valid, rl_slot, old, teacher
+
+
+def restore_gaps(metrics_path: Path, names: list[str]) -> list[float | None]:
+    """The running per-domain gaps `gap/m/<domain>` of the last step in metrics.jsonl (already cut back to the
+    checkpoint on resume), so a resumed run continues the same EMA."""
+    last = None
+    if metrics_path.exists():
+        for ln in metrics_path.read_text().splitlines():
+            if ln.strip():
+                last = json.loads(ln)
+    if not last:
+        return [None] * len(names)
+    return [last.get(f"gap/m/{n}") for n in names]
