@@ -107,7 +107,9 @@ def recovery(acc: dict[str, float], sft: dict[str, float], expert: dict[str, flo
 def variant_config(args, seed: int, extra: list[str]):
     from mopd_core.config import load_config
 
-    return load_config(args.config, [*args.overrides, f"output_dir={args.output_dir}", f"seed={seed}", *extra])
+    # one folder per seed: the seeds' stages never meet, so seeds may run as parallel invocations (--collect)
+    return load_config(args.config, [*args.overrides, f"output_dir={Path(args.output_dir) / f'seed{seed}'}",
+                                     f"seed={seed}", *extra])
 
 
 def run_seed(args, seed: int, variants: list[str], result: dict, write) -> None:
@@ -286,6 +288,26 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def collect(paths: list[str], outp: Path) -> int:
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    res = dict(parts[0])
+    res["per_seed"] = {k: v for p in parts for k, v in p["per_seed"].items()}
+    res["seeds"] = sorted(int(k) for k in res["per_seed"])
+    res["skipped"] = {k: v for p in parts for k, v in p["skipped"].items()}
+    res["invocations"] = [i for p in parts for i in (p.get("invocations") or [{"command": p["command"]}])]
+    res["command"] = " & ".join(p["command"] for p in parts) + " (side by side), then --collect"
+    res["wall_s"] = max(p["wall_s"] for p in parts)
+    res["load_average_1m"] = {"start": max(p["load_average_1m"]["start"] for p in parts),
+                              "end": max(p["load_average_1m"]["end"] for p in parts)}
+    partial = [p["partial"] for p in parts if p.get("partial")]
+    res["partial"] = "; ".join(partial) or None
+    res["summary"] = summarize(res)
+    outp.write_text(json.dumps(res, indent=2) + "\n")
+    outp.with_suffix(".md").write_text(markdown(res) + "\n")
+    print(markdown(res))
+    return 0
+
+
 def _git_head() -> str | None:
     import subprocess
 
@@ -307,7 +329,12 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="keep what --out already holds (same --output-dir) and run only the variants it lacks, e.g. "
                          "ones skipped before their config keys existed; the wall time adds up the invocations")
+    ap.add_argument("--collect", nargs="+", metavar="JSON",
+                    help="run nothing: merge the per-seed results of invocations that ran side by side (one --seeds "
+                         "each) into --out; the wall time is the longest of theirs")
     args = ap.parse_args(argv)
+    if args.collect:
+        return collect(args.collect, Path(args.out))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
