@@ -61,6 +61,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
          "k4_refresh": 31.24}
 
+WINDOWS = ((0, 10), (10, 20), (20, 10**9))  # step windows of the sampled-reward curve (0-based, half-open)
+
 log = logging.getLogger("mopd.ablation")
 
 
@@ -84,6 +86,15 @@ def token_shares(stage_dir: Path, domains: list[str]) -> dict:
         vals = {d: [r.get(f"{key}/{d}", 0.0) for r in logged] for d in domains}
         if logged:
             out[key] = {d: statistics.fmean(v) for d, v in vals.items()}
+    # the learning curve: the student's sampled (T=1) reward per domain over windows of steps — how fast each
+    # domain is served, which the held-out accuracy at the end hides once every variant has converged
+    n = len(rows)
+    for lo, hi in WINDOWS:
+        win = rows[lo:min(hi, n)] if lo < n else []
+        vals = {d: [r[f"reward/{d}"] for r in win if f"reward/{d}" in r] for d in domains}
+        if all(vals.values()):
+            out.setdefault("reward_curve", {})[f"{lo + 1}-{min(hi, n)}"] = {d: statistics.fmean(v)
+                                                                             for d, v in vals.items()}
     lengths = {d: [r[f"length/{d}"] for r in rows if f"length/{d}" in r] for d in domains}
     out["length"] = {d: statistics.fmean(v) for d, v in lengths.items() if v}
     for key in ("scale", "m"):  # gap-following: the per-domain advantage scale and running gap m_d
@@ -192,6 +203,9 @@ def summarize(result: dict) -> dict:
         for key in ("token_share", "grad_share"):
             if all(key in r["tokens"] for r in runs):
                 row[key] = {d: _mean_std([r["tokens"][key][d] for r in runs]) for d in domains}
+        curves = [r["tokens"].get("reward_curve", {}) for r in runs]
+        wins = [w for w in curves[0] if all(w in c for c in curves)]
+        row["reward_curve"] = {w: {d: _mean_std([c[w][d] for c in curves]) for d in domains} for w in wins}
         row["wall_s"] = _mean_std([r["wall_s"] for r in runs])
         summ["variants"][v] = row
     summ["ordering"] = ordering(summ["variants"])
@@ -259,8 +273,8 @@ def markdown(result: dict) -> str:
         if r is None and v not in result["skipped"] and v not in result["variants"]:
             continue  # not asked for
         if r is None:
-            why = result["skipped"].get(v, "not run")
-            lines.append(f"| {label} | skipped: {why} |" + " |" * (4 * len(domains) + 3))
+            why = f"skipped: {result['skipped'][v]}" if v in result["skipped"] else "not run (yet)"
+            lines.append(f"| {label} | {why} |" + " |" * (4 * len(domains) + 3))
             continue
         ts, ls = r.get("token_share", {}), r.get("grad_share", {})
         lines.append(f"| {label} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " | "
@@ -268,6 +282,16 @@ def markdown(result: dict) -> str:
                      + " | ".join(_pm(ts.get(d, {})) for d in domains) + " | "
                      + " | ".join(_pm(ls.get(d, {})) for d in domains) + " | "
                      + f"{r['wall_s']['mean']:.0f} | {PAPER.get(v, '–')} |")
+    curve_rows = [(VARIANTS[v][0], r["reward_curve"]) for v, r in summ["variants"].items() if r.get("reward_curve")]
+    if curve_rows:
+        wins = list(curve_rows[0][1])
+        lines += ["", "How fast each domain is served: the student's sampled (T=1) reward during MOPD, mean over "
+                  "windows of steps (%, mean ± std over the seeds):", "",
+                  "| variant | " + " | ".join(f"{d} steps {w}" for w in wins for d in domains) + " |",
+                  "|---|" + "---:|" * (len(wins) * len(domains))]
+        for label, c in curve_rows:
+            lines.append(f"| {label} | " + " | ".join(_pm(c[w][d]) if w in c else "–" for w in wins
+                                                     for d in domains) + " |")
     lines += ["", "Open-MOPD's ordering, on the mean total over the seeds:", ""]
     for c in summ.get("ordering", []):
         if c["holds"] is None:
@@ -288,8 +312,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def collect(paths: list[str], outp: Path) -> int:
+def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int:
     parts = [json.loads(Path(p).read_text()) for p in paths]
+    for p in parts:  # re-read each finished variant's metrics.jsonl (what this version of the script reports)
+        for sk, sr in p["per_seed"].items():
+            for v, vr in sr["variants"].items():
+                found = sorted(Path(output_dir).glob(f"seed{sk}/*/student-{v}")) if output_dir else []
+                if found:
+                    vr["tokens"] = token_shares(found[0], p["domains"])
     res = dict(parts[0])
     res["per_seed"] = {k: v for p in parts for k, v in p["per_seed"].items()}
     res["seeds"] = sorted(int(k) for k in res["per_seed"])
@@ -299,7 +329,7 @@ def collect(paths: list[str], outp: Path) -> int:
     res["wall_s"] = max(p["wall_s"] for p in parts)
     res["load_average_1m"] = {"start": max(p["load_average_1m"]["start"] for p in parts),
                               "end": max(p["load_average_1m"]["end"] for p in parts)}
-    partial = [p["partial"] for p in parts if p.get("partial")]
+    partial = [f"seed {','.join(map(str, p['seeds']))}: {p['partial']}" for p in parts if p.get("partial")]
     res["partial"] = "; ".join(partial) or None
     res["summary"] = summarize(res)
     outp.write_text(json.dumps(res, indent=2) + "\n")
@@ -334,7 +364,7 @@ def main(argv=None) -> int:
                          "each) into --out; the wall time is the longest of theirs")
     args = ap.parse_args(argv)
     if args.collect:
-        return collect(args.collect, Path(args.out))
+        return collect(args.collect, Path(args.out), Path(args.output_dir))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
