@@ -262,3 +262,92 @@ class InstructionDomain(SyntheticDomain):
         if "rep" in self._tasks:
             total += (self._k[1] - self._k[0] + 1) * words(*self._rep)
         return total
+
+
+# ---- the imbalanced pair (configs/tiny_imbalanced.yaml, issue 13 item 4) ------------------------------------
+# Open-MOPD's diagnosis (arXiv 2608.19098): the `if` domain held 20 % of the prompts but ~1 % of the gradient
+# tokens, its answers being ~25x shorter than math's worked solutions. The tiny math/code/if answers are all
+# <= 10 characters, so they cannot show it; these two differ ~11x in answer length with the same tiny model.
+
+@register_domain("mathchain")
+class MathChainDomain(SyntheticDomain):
+    """Long-form math: the running sum of `terms` digits written out step by step, then the final answer after
+    `;` — "sum:482=" → "4+8=12,12+2=14;14" (left to right), "rsum:482=" → "2+8=10,10+4=14;14" (right to left).
+    Reward: the `final_answer` verifier (the text after the last `;` equals the sum; with `check_chain`, also
+    every step's arithmetic and its link to the previous step's result). Each step is the tiny recipe's
+    `37+5=` skill; the chain makes the answer ~17 characters long for 3 terms."""
+
+    kind = "mathchain"
+    DEFAULTS = {"terms": 3, "tasks": ["sum", "rsum"], "check_chain": False}
+    TASKS = ("sum", "rsum")
+
+    def _check_params(self) -> None:
+        self._terms = self._int_param("terms", 2, 6)  # 6 terms: a 34-character answer, past the tiny context
+        self._tasks = self._tasks_param("tasks", self.TASKS)
+        if not isinstance(self.params["check_chain"], bool):
+            raise self._param_error("check_chain", "must be true or false")
+        from .verifiers import get_verifier
+
+        self._verifier = get_verifier("final_answer", check_chain=self.params["check_chain"])
+
+    @staticmethod
+    def chain(digits: list[int]) -> str:
+        """The worked answer: "a+b=s1,s1+c=s2,…;final"."""
+        acc, steps = digits[0], []
+        for d in digits[1:]:
+            steps.append(f"{acc}+{d}={acc + d}")
+            acc += d
+        return ",".join(steps) + f";{acc}"
+
+    def sample(self, rng: random.Random) -> Example:
+        task = self._tasks[rng.randrange(len(self._tasks))]
+        digits = [rng.randrange(10) for _ in range(self._terms)]
+        order = digits if task == "sum" else digits[::-1]
+        return self._ex(f"{task}:{''.join(map(str, digits))}=", self.chain(order))
+
+    def space_size(self) -> int:
+        return len(self._tasks) * 10 ** self._terms
+
+    def reward(self, example: Example, completion: str) -> float:
+        return self._verifier(example, completion)
+
+
+@register_domain("ifshort")
+class ShortInstructionDomain(SyntheticDomain):
+    """Short-answer instruction following: one- or two-character answers — "first:qwxyz=" → "q",
+    "last2:qwxyz=" → "yz" (a word of `min_len`..`max_len` lowercase letters). Exact match.
+
+    Its weak demonstrator writes one letter too many ("qw", "xyz") instead of the stray "." of the other kinds:
+    a flaw of this domain's own, so that another domain's RL or distillation signal (which removes the ".")
+    does not fix it on the side — its headroom is closed only by its own, few, gradient tokens."""
+
+    kind = "ifshort"
+    DEFAULTS = {"tasks": ["first", "last2"], "min_len": 4, "max_len": 6}
+    TASKS = ("first", "last2")
+
+    def _check_params(self) -> None:
+        self._tasks = self._tasks_param("tasks", self.TASKS)
+        lo, hi = self._int_param("min_len", 2, 32), self._int_param("max_len", 2, 32)
+        if hi < lo:
+            raise self._param_error("max_len", f"must be >= min_len ({lo})")
+        self._len = (lo, hi)
+
+    def sample(self, rng: random.Random) -> Example:
+        task = self._tasks[rng.randrange(len(self._tasks))]
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*self._len)))
+        return self._ex(f"{task}:{w}=", w[0] if task == "first" else w[-2:])
+
+    def task_of(self, prompt: str) -> str:
+        return prompt.split(":", 1)[0]  # "last2" keeps its digit
+
+    def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
+        """`ex`, or with the weak demonstration (one letter too many) as its SFT completion."""
+        task = self.task_of(ex.prompt)
+        if not self._weak_rate or task not in self._weak or rng.random() >= self._weak_rate:
+            return ex
+        w = ex.prompt.split(":", 1)[1][:-1]
+        return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
+                       fields={**ex.fields, "completion": w[:2] if task == "first" else w[-3:]})
+
+    def space_size(self) -> int:
+        return len(self._tasks) * sum(26 ** n for n in range(self._len[0], self._len[1] + 1))

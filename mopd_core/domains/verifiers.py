@@ -192,6 +192,57 @@ class Contains(Verifier):
         return 1.0 if example.answer.strip() in completion else 0.0
 
 
+class FinalAnswer(Verifier):
+    """1.0 iff the final answer — the text after the last `sep` — equals the reference's (whitespace-stripped);
+    a worked answer "4+8=12,12+2=14;14" is judged by "14", as math-verify judges the last boxed answer. With
+    `check_chain` the worked steps must hold too: each "a+b=c" (or a-b, a*b) is right and starts from the
+    previous step's result, and the final answer is the last step's (the reference's own steps are not
+    compared: another valid order counts)."""
+
+    name = "final_answer"
+    _STEP = re.compile(r"^\s*(-?\d+)\s*([+*-])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+
+    def __init__(self, sep: str = ";", check_chain: bool = False):
+        _arg_type(self.name, "sep", sep, str)
+        _arg_type(self.name, "check_chain", check_chain, bool)
+        if not sep:
+            raise DomainError(f"verifier {self.name}: sep must be a non-empty string; fix verifier_args")
+        self.sep, self.check_chain = sep, check_chain
+
+    def validate(self, example: Example) -> None:
+        if example.answer is None or not example.answer.strip():
+            raise DomainError("final_answer needs a non-empty 'answer' column; add it or choose another verifier")
+
+    def final(self, text: str) -> str:
+        return text.rsplit(self.sep, 1)[-1].strip()
+
+    def chain_ok(self, completion: str) -> bool:
+        if self.sep not in completion:
+            return False
+        body, final = completion.rsplit(self.sep, 1)
+        prev = None
+        for step in body.split(","):
+            m = self._STEP.match(step)
+            if m is None:
+                return False
+            a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+            if (prev is not None and a != prev) or c != (a + b if op == "+" else a - b if op == "-" else a * b):
+                return False
+            prev = c
+        return prev is not None and final.strip() == str(prev)
+
+    def __call__(self, example: Example, completion: str) -> float:
+        if example.answer is None or self.sep not in completion:
+            return 0.0
+        if self.final(completion) != self.final(example.answer):
+            return 0.0
+        return 1.0 if not self.check_chain or self.chain_ok(completion) else 0.0
+
+    def score(self, example: Example, completion: str, *, truncated: bool = False) -> VerdictRow:
+        got = self.final(completion) if self.sep in completion else None
+        return VerdictRow(float(self(example, completion)), got, {})
+
+
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -506,6 +557,7 @@ def register_verifier(name: str, factory: Callable[..., Verifier] | None = None)
 register_verifier("exact_match", ExactMatch)
 register_verifier("contains", Contains)
 register_verifier("code_tests", CodeTests)
+register_verifier("final_answer", FinalAnswer)
 _VERIFIERS["math_verify"] = _Lazy(".math_verifier", "MathVerify")
 _VERIFIERS["ifeval"] = _Lazy(".ifeval_verifier", "IFEval")
 

@@ -1,0 +1,424 @@
+"""Benchmark: Open-MOPD's ablation (arXiv 2608.19098, table "M-OPD ablation") on `configs/tiny_imbalanced.yaml`.
+
+Per seed: SFT once, one RL expert per domain once, then every MOPD variant from that same SFT model and those
+same experts (each variant its own stage folder `student-<variant>`, so the shared stages are trained once and
+reused through the recipe's fingerprints), each evaluated greedy on the held-out prompts. The variants, as in
+the paper's table (cumulative where it writes "+"):
+
+    naive          sampled-token reverse KL (β=1), one optimizer step per rollout batch
+    share          + token-share balancing              mopd.balance=tokens
+    share_gap      + gap-following                      + mopd.gap_following=true
+    k4             naive with K=4 minibatches           mopd.minibatches=4
+    k4_share_gap   + share + gap at K=4
+    k4_refresh     + reward refresh (on share + gap, K=4) + mopd.reward_refresh=true
+    dense          naive with the dense top-K reverse KL  mopd.kd_loss=topk_rkl (vs `naive`: sampled)
+
+A variant whose config keys this checkout does not have yet (its overrides fail validation) is skipped and the
+table says why. Per variant: per-domain accuracy, the total (mean over domains), recovery
+(student − SFT) / (expert − SFT) per domain and for the total (expert total = the mean of each expert on its own
+domain), and each domain's share of the completion tokens and of the gradient mass Σ w_t·|A_t|
+(`token_share/<d>`, `grad_share/<d>`: token-share weights and gap-following scales included; the mean over
+the stage's steps in metrics.jsonl); mean ± std over the seeds; whether
+Open-MOPD's ordering holds (naive < +share < +gap; K=4 share+gap > naive; refresh best) and by how much.
+
+Writes `benchmarks/results/mopd_ablation.{json,md}` after every finished variant (labelled partial until the
+last one), so an interrupted run leaves what it measured.
+
+    .venv/bin/python benchmarks/mopd_ablation.py [--seeds 0,1] [--variants naive,share,...] [--set k=v ...]
+        [--output-dir runs/bench-ablation] [--out benchmarks/results/mopd_ablation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from tiny_recipe import machine_info  # noqa: E402  (the machine line every benchmark table carries)
+
+SHARE_GAP = ["mopd.balance=tokens", "mopd.gap_following=true"]
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "naive": ("naive (sampled-token RKL)", []),
+    "share": ("+ token-share", ["mopd.balance=tokens"]),
+    "share_gap": ("+ gap-following", SHARE_GAP),
+    "k4": ("K=4 minibatches", ["mopd.minibatches=4"]),
+    "k4_share_gap": ("+ share + gap, K=4", ["mopd.minibatches=4", *SHARE_GAP]),
+    "k4_refresh": ("+ reward refresh (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP,
+                                                          "mopd.reward_refresh=true"]),
+    "dense": ("dense top-K RKL (naive otherwise)", ["mopd.kd_loss=topk_rkl"]),
+}
+# Open-MOPD's numbers for the same rows (SmolLM3-3B, total of AIME/LCB/IFEval; MixSFT 25.67, experts 32.35)
+PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
+         "k4_refresh": 31.24}
+
+WINDOWS = ((0, 10), (10, 20), (20, 10**9))  # step windows of the sampled-reward curve (0-based, half-open)
+
+log = logging.getLogger("mopd.ablation")
+
+
+def _mean_std(vals: list[float]) -> dict:
+    if not vals:  # e.g. recovery where no seed's expert beat SFT
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+def _rows(p: Path) -> list[dict]:
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+
+
+def token_shares(stage_dir: Path, domains: list[str]) -> dict:
+    """Mean over the stage's steps of each domain's token share and gradient share (metrics.jsonl)."""
+    rows = _rows(stage_dir / "metrics.jsonl")
+    out = {}
+    for key in ("token_share", "grad_share"):
+        # a step without a domain's prompts has no key for it: that domain's share there is 0
+        logged = [r for r in rows if any(f"{key}/{d}" in r for d in domains)]
+        vals = {d: [r.get(f"{key}/{d}", 0.0) for r in logged] for d in domains}
+        if logged:
+            out[key] = {d: statistics.fmean(v) for d, v in vals.items()}
+    # the learning curve: the student's sampled (T=1) reward per domain over windows of steps — how fast each
+    # domain is served, which the held-out accuracy at the end hides once every variant has converged
+    n = len(rows)
+    for lo, hi in WINDOWS:
+        win = rows[lo:min(hi, n)] if lo < n else []
+        vals = {d: [r[f"reward/{d}"] for r in win if f"reward/{d}" in r] for d in domains}
+        if all(vals.values()):
+            out.setdefault("reward_curve", {})[f"{lo + 1}-{min(hi, n)}"] = {d: statistics.fmean(v)
+                                                                             for d, v in vals.items()}
+    lengths = {d: [r[f"length/{d}"] for r in rows if f"length/{d}" in r] for d in domains}
+    out["length"] = {d: statistics.fmean(v) for d, v in lengths.items() if v}
+    for key in ("scale", "m"):  # gap-following: the per-domain advantage scale and running gap m_d
+        gap = {d: [r[f"gap/{key}/{d}"] for r in rows if f"gap/{key}/{d}" in r] for d in domains}
+        if all(gap.values()):
+            out[f"gap_{key}"] = {d: statistics.fmean(v) for d, v in gap.items()}
+    return out
+
+
+def recovery(acc: dict[str, float], sft: dict[str, float], expert: dict[str, float]) -> dict:
+    """(student − SFT) / (expert − SFT) per domain and for the total (`evaluation.recovery`, the eval table's);
+    None where the expert is no better than SFT."""
+    from mopd_core.evaluation import recovery as rec
+
+    res = {"student": {d: {"greedy": a} for d, a in acc.items()}, "sft": {d: {"greedy": a} for d, a in sft.items()},
+           **{f"expert-{d}": {d: {"greedy": a}} for d, a in expert.items()}}
+    out = rec(res, "student", "sft", {d: f"expert-{d}" for d in sft}, domains=list(sft))
+    return {k: (None if math.isnan(v) else v) for k, v in out.items()}
+
+
+def variant_config(args, seed: int, extra: list[str]):
+    from mopd_core.config import load_config
+
+    # one folder per seed: the seeds' stages never meet, so seeds may run as parallel invocations (--collect)
+    return load_config(args.config, [*args.overrides, f"output_dir={Path(args.output_dir) / f'seed{seed}'}",
+                                     f"seed={seed}", *extra])
+
+
+def run_seed(args, seed: int, variants: list[str], result: dict, write) -> None:
+    from mopd_core.errors import ConfigError
+    from mopd_core.recipe import base_model, eval_stage, expert_stage, mopd_stage, setup_runtime, sft_stage
+
+    cfg = variant_config(args, seed, [])
+    setup_runtime(cfg)
+    domains = cfg.domain_names()
+    seed_res = result["per_seed"].setdefault(str(seed), {"seed": seed, "wall_s": {}, "accuracy": {},
+                                                         "variants": {}})
+
+    def accuracy(label: str, path) -> dict[str, float]:
+        t0 = time.perf_counter()
+        rep = eval_stage(cfg, {label: path})
+        seed_res["wall_s"][f"eval-{label}"] = round(time.perf_counter() - t0, 1)
+        return {d: rep.accuracy[label][d]["greedy"] for d in domains}
+
+    # with --resume, what an earlier invocation measured stays: a reused stage's seconds are not its training's
+    t0 = time.perf_counter()
+    sft = sft_stage(cfg, base_model(cfg), progress=False)
+    seed_res["wall_s"].setdefault("sft", round(time.perf_counter() - t0, 1))
+    if "sft" not in seed_res["accuracy"]:
+        seed_res["accuracy"]["sft"] = accuracy("sft", sft.model_dir)
+    experts = {}
+    for d in cfg.expert_domains():
+        t0 = time.perf_counter()
+        out = expert_stage(cfg, d, sft.model_dir, progress=False)
+        seed_res["wall_s"].setdefault(f"expert-{d}", round(time.perf_counter() - t0, 1))
+        experts[d] = out.model_dir
+        if f"expert-{d}" not in seed_res["accuracy"]:
+            seed_res["accuracy"][f"expert-{d}"] = accuracy(f"expert-{d}", out.model_dir)
+    sft_acc = seed_res["accuracy"]["sft"]
+    own = {d: seed_res["accuracy"][f"expert-{d}"][d] for d in domains}
+    seed_res["expert_own"] = own
+    write()
+    for v in variants:
+        label, extra = VARIANTS[v]
+        if v in seed_res["variants"]:  # measured by an earlier invocation (--resume)
+            continue
+        try:
+            vcfg = variant_config(args, seed, extra)
+        except ConfigError as e:  # a key this checkout does not have yet
+            result["skipped"][v] = str(e)
+            log.warning("seed %s: variant %s skipped: %s", seed, v, e)
+            continue
+        t0 = time.perf_counter()
+        out = mopd_stage(vcfg, sft.model_dir, experts, progress=False, stage_name=f"student-{v}")
+        wall = time.perf_counter() - t0
+        acc = accuracy(v, out.model_dir)
+        seed_res["variants"][v] = {"accuracy": acc, "total": statistics.fmean(acc.values()),
+                                   "recovery": recovery(acc, sft_acc, own), "wall_s": round(wall, 1),
+                                   "tokens": token_shares(out.stage_dir, domains), "overrides": extra}
+        log.info("seed %s %s: %s (%.0f s)", seed, v, {d: round(100 * a, 1) for d, a in acc.items()}, wall)
+        write()
+
+
+def summarize(result: dict) -> dict:
+    seeds = list(result["per_seed"].values())
+    if not seeds or not seeds[0]["accuracy"]:
+        return {}
+    domains = result["domains"]
+    summ: dict = {"models": {}, "variants": {}}
+    for m in seeds[0]["accuracy"]:
+        vals = [s["accuracy"][m] for s in seeds if m in s["accuracy"]]
+        summ["models"][m] = {d: _mean_std([v[d] for v in vals]) for d in domains}
+        summ["models"][m]["total"] = _mean_std([statistics.fmean(v[d] for d in domains) for v in vals])
+    own = [s["expert_own"] for s in seeds if "expert_own" in s]
+    if own:
+        summ["models"]["experts (own domain)"] = {d: _mean_std([o[d] for o in own]) for d in domains}
+        summ["models"]["experts (own domain)"]["total"] = _mean_std([statistics.fmean(o.values()) for o in own])
+    for v in VARIANTS:
+        runs = [s["variants"][v] for s in seeds if v in s["variants"]]
+        if not runs:
+            continue
+        row = {d: _mean_std([r["accuracy"][d] for r in runs]) for d in domains}
+        row["total"] = _mean_std([r["total"] for r in runs])
+        row["recovery"] = {k: _mean_std([r["recovery"][k] for r in runs if r["recovery"][k] is not None])
+                           for k in [*domains, "total"]}
+        for key in ("token_share", "grad_share"):
+            if all(key in r["tokens"] for r in runs):
+                row[key] = {d: _mean_std([r["tokens"][key][d] for r in runs]) for d in domains}
+        curves = [r["tokens"].get("reward_curve", {}) for r in runs]
+        wins = [w for w in curves[0] if all(w in c for c in curves)]
+        row["reward_curve"] = {w: {d: _mean_std([c[w][d] for c in curves]) for d in domains} for w in wins}
+        row["wall_s"] = _mean_std([r["wall_s"] for r in runs])
+        summ["variants"][v] = row
+    summ["ordering"] = ordering(summ["variants"])
+    return summ
+
+
+def ordering(rows: dict) -> list[dict]:
+    """Open-MOPD's claims, each checked on the mean total over the seeds (differences in accuracy points)."""
+    tot = {v: r["total"]["mean"] for v, r in rows.items()}
+    claims = [("naive < + token-share", "naive", "share"), ("+ token-share < + gap-following", "share", "share_gap"),
+              ("K=4 share + gap > naive", "naive", "k4_share_gap"),
+              ("K=4 share + gap > K=4", "k4", "k4_share_gap")]
+    out = []
+    for text, lo, hi in claims:
+        if lo in tot and hi in tot:
+            diff = 100 * (tot[hi] - tot[lo])
+            out.append({"claim": text, "holds": diff > 0, "points": diff})
+        else:
+            out.append({"claim": text, "holds": None, "points": None})
+    if "k4_refresh" in tot and len(tot) > 1:
+        best_other = max((t, v) for v, t in tot.items() if v != "k4_refresh")
+        diff = 100 * (tot["k4_refresh"] - best_other[0])
+        out.append({"claim": "reward refresh best", "holds": diff > 0, "points": diff, "vs": best_other[1]})
+    else:
+        out.append({"claim": "reward refresh best", "holds": None, "points": None})
+    return out
+
+
+def _pm(x: dict, scale: float = 100.0, fmt: str = "{:.1f}") -> str:
+    if not x or x.get("n", 0) == 0:
+        return "–"
+    return f"{fmt.format(scale * x['mean'])} ± {fmt.format(scale * x['std'])}"
+
+
+def markdown(result: dict) -> str:
+    summ, mach, domains = result.get("summary") or {}, result["machine"], result["domains"]
+    seeds = sorted(int(s) for s in result["per_seed"])
+    state = "PARTIAL — " + result["partial"] if result.get("partial") else "complete"
+    lines = [f"# Open-MOPD ablation on `{result['config']}` ({state})", "",
+             f"Seeds {', '.join(map(str, seeds))}; {mach['cpu_model']} ({mach['cpu_count']} cores; torch "
+             f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
+             f"{mach['python']}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
+             f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end: "
+             "the machine was shared with other jobs, so the wall times are upper bounds)."
+             + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
+             "Command(s), in order (`--resume` runs only what the earlier ones lacked): "
+             + "; ".join(f"`{i['command']}` (commit {(i.get('commit') or '?')[:8]})"
+                         for i in result.get("invocations") or [{"command": result["command"]}]), ""]
+    if not summ:
+        return "\n".join(lines + ["No finished stage yet."])
+    lines += ["Held-out greedy accuracy (%), mean ± std over the seeds; total = mean over the domains:", "",
+              "| model | " + " | ".join(domains) + " | total |", "|---|" + "---:|" * (len(domains) + 1)]
+    for m, r in summ["models"].items():
+        lines.append(f"| {m} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " |")
+    lines += ["", "MOPD variants, all from the same SFT model and experts of each seed. Recovery = (student − SFT) / "
+              "(expert − SFT), % (Open-MOPD: naive 35.6 %, + refresh 83.4 %); token share = the domain's share of "
+              "the completion tokens, grad share = of Σ w_t·|A_t| (token-share weights and gap-following scales "
+              "included) (%, mean over steps):", "",
+              "| variant | " + " | ".join(domains) + " | total | " + " | ".join(f"recovery {d}" for d in domains)
+              + " | recovery total | " + " | ".join(f"token share {d}" for d in domains) + " | "
+              + " | ".join(f"grad share {d}" for d in domains) + " | MOPD wall s | paper total |",
+              "|---|" + "---:|" * (4 * len(domains) + 4)]
+    for v, (label, _) in VARIANTS.items():
+        r = summ["variants"].get(v)
+        if r is None and v not in result["skipped"] and v not in result["variants"]:
+            continue  # not asked for
+        if r is None:
+            why = f"skipped: {result['skipped'][v]}" if v in result["skipped"] else "not run (yet)"
+            lines.append(f"| {label} | {why} |" + " |" * (4 * len(domains) + 3))
+            continue
+        ts, ls = r.get("token_share", {}), r.get("grad_share", {})
+        lines.append(f"| {label} | " + " | ".join(_pm(r[d]) for d in [*domains, "total"]) + " | "
+                     + " | ".join(_pm(r["recovery"][k], fmt="{:.0f}") for k in [*domains, "total"]) + " | "
+                     + " | ".join(_pm(ts.get(d, {})) for d in domains) + " | "
+                     + " | ".join(_pm(ls.get(d, {})) for d in domains) + " | "
+                     + f"{r['wall_s']['mean']:.0f} | {PAPER.get(v, '–')} |")
+    curve_rows = [(VARIANTS[v][0], r["reward_curve"]) for v, r in summ["variants"].items() if r.get("reward_curve")]
+    if curve_rows:
+        wins = list(curve_rows[0][1])
+        lines += ["", "How fast each domain is served: the student's sampled (T=1) reward during MOPD, mean over "
+                  "windows of steps (%, mean ± std over the seeds):", "",
+                  "| variant | " + " | ".join(f"{d} steps {w}" for w in wins for d in domains) + " |",
+                  "|---|" + "---:|" * (len(wins) * len(domains))]
+        for label, c in curve_rows:
+            lines.append(f"| {label} | " + " | ".join(_pm(c[w][d]) if w in c else "–" for w in wins
+                                                     for d in domains) + " |")
+    lines += ["", "Open-MOPD's ordering, on the mean total over the seeds:", ""]
+    naive = summ["variants"].get("naive")
+    if naive and naive["recovery"]["total"].get("n"):
+        spread = max(r["total"]["std"] for r in summ["variants"].values())
+        lines += [f"Naive MOPD recovers {100 * naive['recovery']['total']['mean']:.0f} % of the total headroom here "
+                  "(Open-MOPD: 35.6 %), so there is little left for the fixes to win; differences between variants "
+                  f"below the seeds' spread (std of a total up to {100 * spread:.1f} points, 200 held-out prompts "
+                  "per domain) are not evidence either way.", ""]
+    for c in summ.get("ordering", []):
+        if c["holds"] is None:
+            lines.append(f"- {c['claim']}: not measurable (a variant was skipped or not run)")
+        else:
+            vs = f" (vs {c['vs']})" if "vs" in c else ""
+            verdict = "holds" if c["holds"] else "does NOT hold"
+            lines.append(f"- {c['claim']}: {verdict} ({c['points']:+.1f} points{vs})")
+    walls = {}
+    for s in result["per_seed"].values():
+        for k, w in s["wall_s"].items():
+            walls.setdefault(k, []).append(w)
+    lines += ["", "Stage wall seconds (mean over seeds): " + ", ".join(
+        f"{k} {statistics.fmean(v):.0f}" for k, v in walls.items() if not k.startswith("eval-")) + "."]
+    if result["skipped"]:
+        lines += ["", "Skipped variants (their config keys do not exist in this checkout):", ""]
+        lines += [f"- `{v}`: {why}" for v, why in result["skipped"].items()]
+    return "\n".join(lines)
+
+
+def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int:
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    for p in parts:  # re-read each finished variant's metrics.jsonl (what this version of the script reports)
+        for sk, sr in p["per_seed"].items():
+            for v, vr in sr["variants"].items():
+                found = sorted(Path(output_dir).glob(f"seed{sk}/*/student-{v}")) if output_dir else []
+                if found:
+                    vr["tokens"] = token_shares(found[0], p["domains"])
+    res = dict(parts[0])
+    res["per_seed"] = {k: v for p in parts for k, v in p["per_seed"].items()}
+    res["seeds"] = sorted(int(k) for k in res["per_seed"])
+    res["skipped"] = {k: v for p in parts for k, v in p["skipped"].items()}
+    res["invocations"] = [i for p in parts for i in (p.get("invocations") or [{"command": p["command"]}])]
+    res["command"] = " & ".join(p["command"] for p in parts) + " (side by side), then --collect"
+    res["wall_s"] = max(p["wall_s"] for p in parts)
+    res["load_average_1m"] = {"start": max(p["load_average_1m"]["start"] for p in parts),
+                              "end": max(p["load_average_1m"]["end"] for p in parts)}
+    partial = [f"seed {','.join(map(str, p['seeds']))}: {p['partial']}" for p in parts if p.get("partial")]
+    res["partial"] = "; ".join(partial) or None
+    res["summary"] = summarize(res)
+    outp.write_text(json.dumps(res, indent=2) + "\n")
+    outp.with_suffix(".md").write_text(markdown(res) + "\n")
+    print(markdown(res))
+    return 0
+
+
+def _git_head() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny_imbalanced")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--output-dir", default=str(ROOT / "runs/bench-ablation"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/mopd_ablation.json"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what --out already holds (same --output-dir) and run only the variants it lacks, e.g. "
+                         "ones skipped before their config keys existed; the wall time adds up the invocations")
+    ap.add_argument("--collect", nargs="+", metavar="JSON",
+                    help="run nothing: merge the per-seed results of invocations that ran side by side (one --seeds "
+                         "each) into --out; the wall time is the longest of theirs")
+    args = ap.parse_args(argv)
+    if args.collect:
+        return collect(args.collect, Path(args.out), Path(args.output_dir))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not seeds:
+        ap.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}" if bad else "--seeds needs a seed")
+    import torch
+
+    from mopd_core.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a bad config or override fails here, before any compute
+    outp = Path(args.out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    result = {"config": args.config, "overrides": args.overrides, "seeds": seeds, "variants": variants,
+              "command": "python benchmarks/mopd_ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "domains": cfg.domain_names(), "per_seed": {}, "skipped": {}, "machine": machine_info(),
+              "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started"}
+    result["invocations"] = [{"command": result["command"], "commit": _git_head()}]
+    prior_wall = 0.0
+    if args.resume and outp.exists():
+        prev = json.loads(outp.read_text())
+        if prev.get("config") != args.config or prev.get("overrides") != args.overrides:
+            ap.error(f"--resume: {outp} was written for --config {prev.get('config')} --set {prev.get('overrides')}")
+        result["per_seed"], prior_wall = prev["per_seed"], prev.get("wall_s", 0.0)
+        result["invocations"] = (prev.get("invocations") or [{"command": prev["command"], "commit": None}]) + \
+            result["invocations"]
+        load0 = (prev.get("load_average_1m", {}).get("start", load0[0]),)
+
+    def write(final: bool = False) -> None:
+        result["wall_s"] = round(prior_wall + time.perf_counter() - t0, 1)
+        result["load_average_1m"] = {"start": round(load0[0], 2), "end": round(os.getloadavg()[0], 2)}
+        done = sum(len(s["variants"]) for s in result["per_seed"].values())
+        if not final:
+            result["partial"] = (f"{done} of {len(seeds) * len(variants)} variant runs finished "
+                                 f"({len(result['skipped'])} skipped); the run was still going")
+        result["summary"] = summarize(result)
+        outp.write_text(json.dumps(result, indent=2) + "\n")
+        outp.with_suffix(".md").write_text(markdown(result) + "\n")
+
+    for s in seeds:
+        run_seed(args, s, variants, result, write)
+    result["partial"] = None
+    write(final=True)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The imbalanced pair of configs/tiny_imbalanced.yaml (issue 13 item 4): `mathchain` (a worked running sum, judged
+by the `final_answer` verifier) and `ifshort` (one/two-character answers) — answers recomputed here, generation
+deterministic by seed, the answer-length ratio the benchmark relies on, and the preset."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from mopd_core.config import load_config
+from mopd_core.domains import DomainError, Example, build_domain, get_verifier
+from mopd_core.errors import ConfigError
+
+
+def _chain(prompt: str) -> str:
+    m = re.fullmatch(r"(r?sum):(\d{3})=", prompt)
+    assert m, prompt
+    digits = [int(c) for c in (m[2] if m[1] == "sum" else m[2][::-1])]
+    steps, acc = [], digits[0]
+    for d in digits[1:]:
+        steps.append(f"{acc}+{d}={acc + d}")
+        acc += d
+    assert acc == sum(digits)
+    return ",".join(steps) + f";{acc}"
+
+
+def _short(prompt: str) -> str:
+    m = re.fullmatch(r"(first|last2):([a-z]{4,6})=", prompt)
+    assert m, prompt
+    return m[2][:1] if m[1] == "first" else m[2][-2:]
+
+
+def test_answers_are_right_and_both_tasks_occur():
+    mc = build_domain("mathchain", "synthetic:mathchain", eval_size=50, seed=1)
+    ifs = build_domain("ifshort", "synthetic:ifshort", eval_size=50, seed=1)
+    for dom, expect in ((mc, _chain), (ifs, _short)):
+        exs = dom.train_examples(400, random.Random(0)) + dom.eval_examples()
+        assert all(e.answer == expect(e.prompt) and e.teacher_id == dom.name for e in exs)
+        assert len({e.prompt.split(":")[0] for e in exs}) == 2
+
+
+@pytest.mark.parametrize("kind", ["mathchain", "ifshort"])
+def test_generation_is_deterministic_by_seed_and_never_trains_on_eval(kind):
+    a = build_domain(kind, f"synthetic:{kind}", eval_size=100, seed=4)
+    b = build_domain(kind, f"synthetic:{kind}", eval_size=100, seed=4)
+    c = build_domain(kind, f"synthetic:{kind}", eval_size=100, seed=5)
+    assert a.eval_examples() == b.eval_examples() != c.eval_examples()
+    assert a.train_examples(200, random.Random(9)) == b.train_examples(200, random.Random(9))
+    assert a.train_examples(200, random.Random(9)) != a.train_examples(200, random.Random(8))
+    ev = {e.prompt for e in a.eval_examples()}
+    assert not ev & {e.prompt for e in a.train_examples(3000, random.Random(0))}
+
+
+def test_the_preset_loads_and_its_answers_differ_at_least_8x_in_length():
+    cfg = load_config("tiny_imbalanced")
+    assert cfg.domain_names() == ["mathchain", "ifshort"]
+    assert cfg.model == load_config("tiny").model  # the same tiny model
+    assert cfg.mopd.mix["ifshort"] >= 0.2  # the short domain holds >= 20 % of the prompts
+    specs = {d.name: d for d in cfg.data.domains}
+    lengths = {}
+    for name, d in specs.items():
+        dom = build_domain(name, d.source, d.params, eval_size=d.eval_size, seed=cfg.seed)
+        exs = dom.train_examples(2000, random.Random(0))
+        lengths[name] = sum(len(e.answer) for e in exs) / len(exs)
+        # every SFT completion, stray "." and EOS included, fits the rollout budget
+        assert max(len(e.fields.get("completion", e.answer)) for e in exs) + 1 <= cfg.rollout.max_new_tokens
+        assert max(len(e.prompt) for e in exs) <= cfg.data.max_prompt_tokens
+    assert lengths["mathchain"] >= 8 * lengths["ifshort"], lengths
+    # the weak demonstrator is on (the RL headroom over SFT) and only on one task of each domain
+    assert {n: d.params["weak_tasks"] for n, d in specs.items()} == {"mathchain": ["rsum"], "ifshort": ["first"]}
+
+
+def test_the_preset_rejects_an_unknown_domain_param_naming_it():
+    with pytest.raises((ConfigError, DomainError), match="terms"):
+        build_domain("mathchain", "synthetic:mathchain", {"terms": 9}, eval_size=10)
+    with pytest.raises(DomainError, match="max_len"):
+        build_domain("ifshort", "synthetic:ifshort", {"min_len": 5, "max_len": 3}, eval_size=10)
+
+
+def test_mathchain_reward_checks_the_final_answer_and_optionally_the_chain():
+    dom = build_domain("mathchain", "synthetic:mathchain", eval_size=10, seed=0)
+    ex = Example(prompt="sum:482=", teacher_id="mathchain", answer="4+8=12,12+2=14;14")
+    assert dom.reward(ex, "4+8=12,12+2=14;14") == 1.0
+    assert dom.reward(ex, " 2+8=10,10+4=14; 14\n") == 1.0  # another valid order, whitespace
+    assert dom.reward(ex, "4+8=12,12+2=15;14") == 1.0  # final answer only by default
+    for wrong in ("4+8=12,12+2=14;14.", "4+8=12,12+2=14;15", "14", "4+8=12,12+2=14", ""):
+        assert dom.reward(ex, wrong) == 0.0, wrong
+    strict = build_domain("mathchain", "synthetic:mathchain", {"check_chain": True}, eval_size=10)
+    assert strict.reward(ex, "4+8=12,12+2=14;14") == 1.0
+    for bad in ("4+8=12,12+2=15;14", "4+8=12,13+1=14;14", "4+8=13,13+1=14;14", "4+8=12,x;14", ";14"):
+        assert strict.reward(ex, bad) == 0.0, bad
+
+
+def test_each_weak_demonstrator_has_its_own_flaw_which_the_reward_rejects():
+    mc = build_domain("mathchain", "synthetic:mathchain", {"weak_tasks": ["rsum"], "weak_rate": 1.0}, eval_size=10)
+    ifs = build_domain("ifshort", "synthetic:ifshort", {"weak_tasks": ["first"], "weak_rate": 1.0}, eval_size=10)
+    for dom, weak in ((mc, "rsum"), (ifs, "first")):
+        exs = dom.train_examples(300, random.Random(0))
+        flawed = [e for e in exs if "completion" in e.fields]
+        assert {e.prompt.split(":")[0] for e in flawed} == {weak}  # every weak-task example, nothing else
+        assert len(flawed) == sum(e.prompt.startswith(weak + ":") for e in exs)
+        assert all(dom.reward(e, e.fields["completion"]) == 0.0 and dom.reward(e, e.answer) == 1.0 for e in flawed)
+    assert all(e.fields["completion"] == e.answer + "." for e in mc.train_examples(50, random.Random(1))
+               if "completion" in e.fields)
+    for e in ifs.train_examples(50, random.Random(1)):  # one letter too many: the word's first two
+        if "completion" in e.fields:
+            assert e.fields["completion"] == e.prompt.split(":")[1][:2] and "." not in e.fields["completion"]
+
+
+def test_ifshort_reward_is_exact_match():
+    dom = build_domain("ifshort", "synthetic:ifshort", eval_size=10, seed=0)
+    ex = Example(prompt="last2:qwxyz=", teacher_id="ifshort", answer="yz")
+    assert dom.reward(ex, "yz") == 1.0 and dom.reward(ex, " yz\n") == 1.0
+    assert dom.reward(ex, "yz.") == 0.0 and dom.reward(ex, "y") == 0.0 and dom.reward(ex, "xyz") == 0.0
+
+
+def test_final_answer_is_in_the_verifier_registry_with_checked_args():
+    v = get_verifier("final_answer", sep="#")
+    ex = Example(prompt="p", teacher_id="t", answer="work#42")
+    assert v(ex, "other work#42") == 1.0 and v(ex, "#41") == 0.0 and v(ex, "42") == 0.0
+    assert v.score(ex, "x#42").extracted == "42"
+    with pytest.raises(DomainError, match="check_chain"):
+        get_verifier("final_answer", check_chain="yes")
+    with pytest.raises(DomainError, match="unknown verifier_args"):
+        get_verifier("final_answer", mode="boxed")
+
