@@ -174,6 +174,8 @@ def markdown(result: dict) -> str:
         stages = sum(v for k, v in r["stage_wall_s"].items() if k not in ("eval", "total"))
         lines.append(f"| {s['seed']} | {r['wall_s']:.1f} | {stages:.1f} | {r['stage_wall_s']['eval']:.1f} | "
                      f"{r['model_files']} | {', '.join(r['rewritten']) or 'none'} | {r['same_accuracy']} |")
+    for note in result.get("notes", []):  # what happened during the run that the numbers alone do not say
+        lines += ["", f"Note: {note}"]
     ok = [s["passed"] for s in per_seed]
     lines += ["", f"Result: {'PASS' if all(ok) else 'FAIL'} ({sum(ok)}/{len(ok)} seeds hold the bar)."
               + (f" Not run or not finished: seeds {result['missing']}." if result["missing"] else "")]
