@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,20 +37,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import async_model  # noqa: E402
+from tiny_recipe import machine_info  # noqa: E402
 
 MODES = {"sync": ["runtime.placement=disaggregated"],
          "k1": ["runtime.placement=async", "async.max_staleness=1"],
          "k2": ["runtime.placement=async", "async.max_staleness=2"]}
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _rows(p: Path) -> list[dict]:
@@ -124,7 +114,8 @@ def main(argv=None) -> int:
     if not vllm_py.exists():
         raise SystemExit(f"vLLM environment missing ({vllm_py}): run `make vllm-venv`")
     modes = [m for m in args.modes.split(",") if m]
-    results = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": args.threads,
+    results = {"machine": {"cpu": machine_info()["cpu_model"] or "unknown",
+                           "cores": os.cpu_count(), "threads": args.threads,
                            "torch": torch.__version__, "device": args.device},
                "steps": args.steps, "teachers": args.teachers, "overrides": args.set, "seeds": {},
                "notes": [args.note] if args.note else []}

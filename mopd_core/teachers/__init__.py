@@ -127,10 +127,13 @@ class LocalTeacher(Teacher):
             out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp, sc.support_logp)
         finally:
             self.unload()
+        self._count(batch, t0)
+        return out
+
+    def _count(self, batch: RolloutBatch, t0: float) -> None:
         self.stats["seconds"] += time.perf_counter() - t0
         self.stats["tokens"] += int(batch.completion_mask.sum())
         self.stats["calls"] += 1
-        return out
 
     @torch.no_grad()
     def hidden(self, batch: RolloutBatch, device) -> tuple[TeacherScore, torch.Tensor, TeacherHead]:
@@ -150,9 +153,7 @@ class LocalTeacher(Teacher):
             out = TeacherScore(sc.logp), sc.hidden.to(device), TeacherHead(w, bias, scale, softcap, self.temperature)
         finally:
             self.unload()
-        self.stats["seconds"] += time.perf_counter() - t0
-        self.stats["tokens"] += int(batch.completion_mask.sum())
-        self.stats["calls"] += 1
+        self._count(batch, t0)
         return out
 
 
