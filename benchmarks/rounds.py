@@ -142,13 +142,16 @@ def markdown(result: dict) -> str:
              f"and are not the idle machine's. round_student_init={result['round_student_init'] or 'previous'}."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
              f"Bar: round 2's student ≥ round 1's student − {100 * TOLERANCE:.0f} points on every domain.", "",
-             "Held-out greedy accuracy (%), mean ± std over the seeds (experts: every domain, own domain in the "
-             "per-seed table):", "", "| model | " + " | ".join(domains) + " |", "|---|" + "---:|" * len(domains)]
+             "Held-out greedy accuracy (%), "
+             + ("mean ± std over the seeds" if len(per_seed) > 1 else "one seed, no spread")
+             + " (experts: every domain, own domain in the per-seed table):", "",
+             "| model | " + " | ".join(domains) + " |", "|---|" + "---:|" * len(domains)]
     for m in per_seed[0]["accuracy"]:
         cells = []
         for d in domains:
             mu, sd = _mean_std([s["accuracy"][m][d] for s in per_seed])
-            cells.append(f"{100 * mu:.1f} ± {100 * sd:.1f}")
+            # one seed has no spread to show: a "± 0.0" would read as a measured one
+            cells.append(f"{100 * mu:.1f} ± {100 * sd:.1f}" if len(per_seed) > 1 else f"{100 * mu:.1f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "Per seed (%): each expert on its own domain, the students, round 2 − round 1:", "",
               "| seed | domain | sft | expert r1 | expert r2 | student r1 | student r2 | Δ student | bar |",
