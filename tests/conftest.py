@@ -29,6 +29,24 @@ def tiny_overrides(tmp_path) -> list[str]:
     ]
 
 
+def perturbed_teachers(cfg, sft_dir, tmp_path) -> dict:
+    """Cheap stand-in teachers: the SFT weights plus a different small perturbation per domain."""
+    from mopd_core.models import load_model, load_tokenizer
+
+    out = {}
+    for i, d in enumerate(cfg.domain_names()):
+        m = load_model(sft_dir)
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        dst = tmp_path / f"teacher-{d}"
+        m.save_pretrained(dst)
+        load_tokenizer(sft_dir).save_pretrained(dst)
+        out[d] = dst
+    return out
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     from mopd_core.config import load_config

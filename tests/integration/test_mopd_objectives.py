@@ -10,23 +10,8 @@ import torch
 
 from mopd_core import recipe as R
 from mopd_core.config import load_config
-from mopd_core.models import load_model, load_tokenizer
-from tests.conftest import tiny_overrides
-
-
-def _teachers(cfg, sft_dir, tmp_path):
-    """Cheap stand-in teachers: the SFT weights with a different perturbation per domain."""
-    out = {}
-    for i, d in enumerate(cfg.domain_names()):
-        m = load_model(sft_dir)
-        g = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
-        m.save_pretrained(tmp_path / f"teacher-{d}")
-        load_tokenizer(sft_dir).save_pretrained(tmp_path / f"teacher-{d}")
-        out[d] = tmp_path / f"teacher-{d}"
-    return out
+from mopd_core.models import load_model
+from tests.conftest import perturbed_teachers, tiny_overrides
 
 
 def test_topk_rkl_gap_following_and_refresh_train_and_log(tmp_path):
@@ -36,7 +21,7 @@ def test_topk_rkl_gap_following_and_refresh_train_and_log(tmp_path):
     R.setup_runtime(cfg)
     torch.set_num_threads(1)
     sft = R.sft_stage(cfg, R.base_model(cfg), progress=False).model_dir
-    teachers = _teachers(cfg, sft, tmp_path)
+    teachers = perturbed_teachers(cfg, sft, tmp_path)
     out = R.mopd_stage(cfg, sft, teachers, progress=False)
     before, after = load_model(sft).state_dict(), load_model(out.model_dir).state_dict()
     assert sum(not torch.equal(before[k], after[k]) for k in before) > 0

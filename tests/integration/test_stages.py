@@ -11,6 +11,7 @@ import torch
 
 from mopd_core import recipe as R
 from mopd_core.models import load_model, load_tokenizer
+from tests.conftest import perturbed_teachers
 from mopd_core.train.checkpoint import checkpoint_dirs
 
 
@@ -99,26 +100,10 @@ def test_token_budget_micro_batches_train_the_same_first_step_with_less_padding(
     assert len(rows["budget"]) == 3
 
 
-def _expert_paths(cfg, sft_dir, tmp_path) -> dict[str, Path]:
-    """Cheap stand-in teachers: SFT weights plus a different small perturbation per domain."""
-    out = {}
-    for i, d in enumerate(cfg.domain_names()):
-        m = load_model(sft_dir)
-        g = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
-        dst = tmp_path / f"teacher-{d}"
-        m.save_pretrained(dst)
-        load_tokenizer(sft_dir).save_pretrained(dst)
-        out[d] = dst
-    return out
-
-
 def test_mopd_routes_each_sample_to_its_teacher(sft_run, tmp_path):
     cfg, _, sft = sft_run
     cfg = cfg.model_copy(update={"output_dir": str(tmp_path)})
-    teachers = _expert_paths(cfg, sft.model_dir, tmp_path)
+    teachers = perturbed_teachers(cfg, sft.model_dir, tmp_path)
     out = R.mopd_stage(cfg, sft.model_dir, teachers, progress=False)
     assert _changed(_params(sft.model_dir), _params(out.model_dir)) > 0
     rows = _rows(out.stage_dir / "metrics.jsonl")
@@ -132,7 +117,7 @@ def test_mopd_routes_each_sample_to_its_teacher(sft_run, tmp_path):
 
 def test_mopd_mixture_and_jsd_modes_run(sft_run, tmp_path):
     cfg, _, sft = sft_run
-    teachers = _expert_paths(cfg, sft.model_dir, tmp_path)
+    teachers = perturbed_teachers(cfg, sft.model_dir, tmp_path)
     c1 = cfg.model_copy(update={"output_dir": str(tmp_path / "mix")}, deep=True)
     c1.teachers.routing, c1.teachers.mixture_kind = "mixture", "geometric"
     c1.mopd.steps = 2
