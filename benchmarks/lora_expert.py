@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peer_stats import mean_std  # noqa: E402
 from benchmarks.tiny_recipe import machine_info  # noqa: E402
 
 GAIN = 0.10  # LoRA expert - SFT on its domain, accuracy as a fraction
@@ -120,16 +121,12 @@ def _train_state_mb(sdir: Path, arm: str, domain: str, name: str) -> float | Non
     return _median(rows, "mem/train/resident_mb")
 
 
-def _ms(vals: list[float]) -> tuple[float, float]:
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
 def markdown(r: dict) -> str:
     d = r["domain"]
     seeds = r["per_seed"]
 
     def cell(vals, fmt="{:.1f}", scale=1.0):
-        m, s = _ms([v * scale for v in vals])
+        m, s = mean_std([v * scale for v in vals])
         return (fmt + " ± " + fmt.replace("+", "")).format(m, s) if len(vals) > 1 else fmt.format(m)
 
     lines = [f"# LoRA expert vs full fine-tune expert (`benchmarks/lora_expert.py`, domain `{d}`)", "",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peer_stats import mean_std  # noqa: E402
 from benchmarks.tiny_recipe import machine_info  # noqa: E402
 
 TOLERANCE = 0.02  # round 2's student may trail round 1's by at most 2 points on a domain
@@ -108,10 +108,6 @@ def partial_seed(out_dir: Path, seed: int) -> dict | None:
     return {"seed": seed, "partial": True, "stages": stages}
 
 
-def _mean_std(vals: list[float]) -> tuple[float, float]:
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
 def partial_markdown(result: dict) -> str:
     lines = []
     for p in result.get("partial", []):
@@ -149,7 +145,7 @@ def markdown(result: dict) -> str:
     for m in per_seed[0]["accuracy"]:
         cells = []
         for d in domains:
-            mu, sd = _mean_std([s["accuracy"][m][d] for s in per_seed])
+            mu, sd = mean_std([s["accuracy"][m][d] for s in per_seed])
             # one seed has no spread to show: a "± 0.0" would read as a measured one
             cells.append(f"{100 * mu:.1f} ± {100 * sd:.1f}" if len(per_seed) > 1 else f"{100 * mu:.1f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
