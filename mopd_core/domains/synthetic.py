@@ -314,40 +314,46 @@ class MathChainDomain(SyntheticDomain):
 
 @register_domain("ifshort")
 class ShortInstructionDomain(SyntheticDomain):
-    """Short-answer instruction following: one- or two-character answers — "first:qwxyz=" → "q",
-    "last2:qwxyz=" → "yz" (a word of `min_len`..`max_len` lowercase letters). Exact match.
+    """Short-answer instruction following, written with mathchain's characters only: one-digit answers —
+    "mu:48213=" → "4" (the first digit), "um:48213=" → "3" (the last) — from a string of `length` digits.
+    Exact match.
 
-    Its weak demonstrator writes one letter too many ("qw", "xyz") instead of the stray "." of the other kinds:
-    a flaw of this domain's own, so that another domain's RL or distillation signal (which removes the ".")
-    does not fix it on the side — its headroom is closed only by its own, few, gradient tokens."""
+    Why digits and the letters of "sum": in a real model every domain shares the vocabulary and every layer, so a
+    domain's share of the loss is its share of every update. With letters of its own (the first version of this
+    kind: "first:qwxyz=" → "q") the short domain trained embedding and output rows no other domain touches, which
+    Adam steps at full size whatever their share of the loss — naive MOPD then recovered 93 ± 14 % of its headroom
+    and the preset could not show Open-MOPD's diagnosis.
+
+    Its weak demonstrator copies the wrong position — the second digit for `first` ("mu:48213=" → "8") — a flaw of
+    this domain's own (not mathchain's stray "."), so that another domain's signal does not fix it on the side;
+    closing it moves attention, which every domain shares."""
 
     kind = "ifshort"
-    DEFAULTS = {"tasks": ["first", "last2"], "min_len": 4, "max_len": 6}
-    TASKS = ("first", "last2")
+    DEFAULTS = {"tasks": ["first", "last"], "length": 5}
+    TASKS = ("first", "last")
+    PREFIX = {"first": "mu", "last": "um"}  # letters of mathchain's "sum:"/"rsum:" prompts
+    _TASK_OF = {v: k for k, v in PREFIX.items()}
 
     def _check_params(self) -> None:
         self._tasks = self._tasks_param("tasks", self.TASKS)
-        lo, hi = self._int_param("min_len", 2, 32), self._int_param("max_len", 2, 32)
-        if hi < lo:
-            raise self._param_error("max_len", f"must be >= min_len ({lo})")
-        self._len = (lo, hi)
+        self._len = self._int_param("length", 2, 12)
 
     def sample(self, rng: random.Random) -> Example:
         task = self._tasks[rng.randrange(len(self._tasks))]
-        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*self._len)))
-        return self._ex(f"{task}:{w}=", w[0] if task == "first" else w[-2:])
+        w = "".join(rng.choice(string.digits) for _ in range(self._len))
+        return self._ex(f"{self.PREFIX[task]}:{w}=", w[0] if task == "first" else w[-1])
 
     def task_of(self, prompt: str) -> str:
-        return prompt.split(":", 1)[0]  # "last2" keeps its digit
+        return self._TASK_OF.get(prompt.split(":", 1)[0], "")
 
     def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
-        """`ex`, or with the weak demonstration (one letter too many) as its SFT completion."""
+        """`ex`, or with the weak demonstration (the neighbouring digit) as its SFT completion."""
         task = self.task_of(ex.prompt)
         if not self._weak_rate or task not in self._weak or rng.random() >= self._weak_rate:
             return ex
         w = ex.prompt.split(":", 1)[1][:-1]
         return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
-                       fields={**ex.fields, "completion": w[:2] if task == "first" else w[-3:]})
+                       fields={**ex.fields, "completion": w[1] if task == "first" else w[-2]})
 
     def space_size(self) -> int:
-        return len(self._tasks) * sum(26 ** n for n in range(self._len[0], self._len[1] + 1))
+        return len(self._tasks) * 10 ** self._len

@@ -1,6 +1,6 @@
 """The imbalanced pair of configs/tiny_imbalanced.yaml (issue 13 item 4): `mathchain` (a worked running sum, judged
-by the `final_answer` verifier) and `ifshort` (one/two-character answers) — answers recomputed here, generation
-deterministic by seed, the answer-length ratio the benchmark relies on, and the preset."""
+by the `final_answer` verifier) and `ifshort` (one-digit answers over mathchain's characters) — answers recomputed
+here, generation deterministic by seed, the answer-length ratio the benchmark relies on, and the preset."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mopd_core.errors import ConfigError
 
 
 def _chain(prompt: str) -> str:
-    m = re.fullmatch(r"(r?sum):(\d{3})=", prompt)
+    m = re.fullmatch(r"(r?sum):(\d{2,6})=", prompt)
     assert m, prompt
     digits = [int(c) for c in (m[2] if m[1] == "sum" else m[2][::-1])]
     steps, acc = [], digits[0]
@@ -27,9 +27,9 @@ def _chain(prompt: str) -> str:
 
 
 def _short(prompt: str) -> str:
-    m = re.fullmatch(r"(first|last2):([a-z]{4,6})=", prompt)
+    m = re.fullmatch(r"(mu|um):(\d{5})=", prompt)
     assert m, prompt
-    return m[2][:1] if m[1] == "first" else m[2][-2:]
+    return m[2][0] if m[1] == "mu" else m[2][-1]
 
 
 def test_answers_are_right_and_both_tasks_occur():
@@ -75,8 +75,8 @@ def test_the_preset_loads_and_its_answers_differ_at_least_8x_in_length():
 def test_the_preset_rejects_an_unknown_domain_param_naming_it():
     with pytest.raises((ConfigError, DomainError), match="terms"):
         build_domain("mathchain", "synthetic:mathchain", {"terms": 9}, eval_size=10)
-    with pytest.raises(DomainError, match="max_len"):
-        build_domain("ifshort", "synthetic:ifshort", {"min_len": 5, "max_len": 3}, eval_size=10)
+    with pytest.raises(DomainError, match="length"):
+        build_domain("ifshort", "synthetic:ifshort", {"length": 1}, eval_size=10)
 
 
 def test_mathchain_reward_checks_the_final_answer_and_optionally_the_chain():
@@ -99,21 +99,34 @@ def test_each_weak_demonstrator_has_its_own_flaw_which_the_reward_rejects():
     for dom, weak in ((mc, "rsum"), (ifs, "first")):
         exs = dom.train_examples(300, random.Random(0))
         flawed = [e for e in exs if "completion" in e.fields]
-        assert {e.prompt.split(":")[0] for e in flawed} == {weak}  # every weak-task example, nothing else
-        assert len(flawed) == sum(e.prompt.startswith(weak + ":") for e in exs)
-        assert all(dom.reward(e, e.fields["completion"]) == 0.0 and dom.reward(e, e.answer) == 1.0 for e in flawed)
+        assert {dom.task_of(e.prompt) for e in flawed} == {weak}  # every weak-task example, nothing else
+        assert len(flawed) == sum(dom.task_of(e.prompt) == weak for e in exs)
+        assert all(dom.reward(e, e.answer) == 1.0 for e in flawed)
+        # rejected — unless ifshort's neighbouring digit happens to equal the first one
+        wrong = [e for e in flawed if e.fields["completion"] != e.answer]
+        assert len(wrong) > 0.8 * len(flawed) and all(dom.reward(e, e.fields["completion"]) == 0.0 for e in wrong)
     assert all(e.fields["completion"] == e.answer + "." for e in mc.train_examples(50, random.Random(1))
                if "completion" in e.fields)
-    for e in ifs.train_examples(50, random.Random(1)):  # one letter too many: the word's first two
+    for e in ifs.train_examples(50, random.Random(1)):  # the neighbouring digit: the string's second
         if "completion" in e.fields:
-            assert e.fields["completion"] == e.prompt.split(":")[1][:2] and "." not in e.fields["completion"]
+            assert e.fields["completion"] == e.prompt.split(":")[1][1] and "." not in e.fields["completion"]
 
 
 def test_ifshort_reward_is_exact_match():
     dom = build_domain("ifshort", "synthetic:ifshort", eval_size=10, seed=0)
-    ex = Example(prompt="last2:qwxyz=", teacher_id="ifshort", answer="yz")
-    assert dom.reward(ex, "yz") == 1.0 and dom.reward(ex, " yz\n") == 1.0
-    assert dom.reward(ex, "yz.") == 0.0 and dom.reward(ex, "y") == 0.0 and dom.reward(ex, "xyz") == 0.0
+    ex = Example(prompt="um:48213=", teacher_id="ifshort", answer="3")
+    assert dom.reward(ex, "3") == 1.0 and dom.reward(ex, " 3\n") == 1.0
+    assert dom.reward(ex, "3.") == 0.0 and dom.reward(ex, "1") == 0.0 and dom.reward(ex, "13") == 0.0
+    assert dom.task_of("mu:48213=") == "first" and dom.task_of("um:48213=") == "last" and dom.task_of("x:1=") == ""
+
+
+def test_ifshort_is_written_with_mathchain_characters_only():
+    # no embedding row of its own: every update it gets is shared with the long domain, as in a real vocabulary
+    # (with letters of its own, Adam stepped those rows at full size and naive MOPD served it fully)
+    mc = build_domain("mathchain", "synthetic:mathchain", {"terms": 4}, eval_size=50, seed=0)
+    ifs = build_domain("ifshort", "synthetic:ifshort", eval_size=50, seed=0)
+    chars = lambda dom: {c for e in dom.train_examples(500, random.Random(0)) for c in e.prompt + e.answer}  # noqa: E731
+    assert chars(ifs) <= chars(mc), chars(ifs) - chars(mc)
 
 
 def test_final_answer_is_in_the_verifier_registry_with_checked_args():
