@@ -258,8 +258,9 @@ def markdown(result: dict) -> str:
              f"Seeds {', '.join(map(str, seeds))}; {mach['cpu_model']} ({mach['cpu_count']} cores; torch "
              f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
              f"{mach['python']}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
-             f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end: "
-             "the machine was shared with other jobs, so the wall times are upper bounds)."
+             f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end, "
+             f"the benchmark's own {len(result.get('invocations') or [1])} process(es) included; above one per core "
+             "the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
              "Command(s), in order (`--resume` runs only what the earlier ones lacked): "
              + "; ".join(f"`{i['command']}` (commit {(i.get('commit') or '?')[:8]})"
