@@ -318,11 +318,10 @@ class ShortInstructionDomain(SyntheticDomain):
     "mu:48213=" → "4" (the first digit), "um:48213=" → "3" (the last) — from a string of `length` digits.
     Exact match.
 
-    Why digits and the letters of "sum": in a real model every domain shares the vocabulary and every layer, so a
-    domain's share of the loss is its share of every update. With letters of its own (the first version of this
-    kind: "first:qwxyz=" → "q") the short domain trained embedding and output rows no other domain touches, which
-    Adam steps at full size whatever their share of the loss — naive MOPD then recovered 93 ± 14 % of its headroom
-    and the preset could not show Open-MOPD's diagnosis.
+    Why digits and the letters of "sum": in a real model every domain shares the vocabulary, so this domain has
+    no embedding or output row of its own either. That is realism, not what makes the imbalance show: a control
+    with prefixes of letters mathchain never uses ("first:"/"last:"), at configs/tiny_imbalanced.yaml's settings,
+    was under-served as much by naive MOPD (18 / 7 % of its headroom recovered, seeds 0 / 1).
 
     Its weak demonstrator copies the wrong position — the second digit for `first` ("mu:48213=" → "8") — a flaw of
     this domain's own (not mathchain's stray "."), so that another domain's signal does not fix it on the side;

@@ -122,7 +122,7 @@ def test_ifshort_reward_is_exact_match():
 
 def test_ifshort_is_written_with_mathchain_characters_only():
     # no embedding row of its own: every update it gets is shared with the long domain, as in a real vocabulary
-    # (with letters of its own, Adam stepped those rows at full size and naive MOPD served it fully)
+    # (the preset states it; the imbalance itself shows with letters of its own too)
     mc = build_domain("mathchain", "synthetic:mathchain", {"terms": 4}, eval_size=50, seed=0)
     ifs = build_domain("ifshort", "synthetic:ifshort", eval_size=50, seed=0)
     chars = lambda dom: {c for e in dom.train_examples(500, random.Random(0)) for c in e.prompt + e.answer}  # noqa: E731
