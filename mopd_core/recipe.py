@@ -20,6 +20,7 @@ from . import preflight
 from .config import RecipeConfig, stage_fingerprint
 from .errors import ConfigError
 from .domains import DomainError, build_domain
+from .domains.base import kind_results_version
 from .runtime import device as devlib
 
 log = logging.getLogger("mopd")
@@ -168,9 +169,11 @@ def data_fingerprint_part(recipe: RecipeConfig, benchmarks: bool = False) -> dic
     chat-template override file counts by its content, not its path (an edited template is another rendering;
     the same template moved is not). Configs without either dump as before, so their fingerprints stay."""
     d = recipe.data.model_dump(mode="json")
-    if not benchmarks:
-        for dom in d["domains"]:
+    for dom in d["domains"]:
+        if not benchmarks:
             dom.pop("eval_sources", None)
+        if (v := kind_results_version(dom.get("source"))) > 1:  # a redrawn synthetic kind; others dump as before
+            dom["kind_results_version"] = v
     tpl = (d.get("chat") or {}).get("chat_template")
     if tpl:
         p = Path(tpl)

@@ -256,6 +256,16 @@ def get_domain_factory(kind: str) -> DomainFactory:
 SYNTHETIC_PREFIX = "synthetic:"
 
 
+def kind_results_version(source: str) -> int:
+    """A synthetic kind's own results version (its factory's `RESULTS_VERSION`, default 1): bumped when the kind
+    draws other data from the same params, so stages trained on it are retrained — and only those (the global
+    `config.RESULTS_VERSION` would retrain every stage of every recipe). 1 for files and unknown kinds."""
+    if not isinstance(source, str) or not source.startswith(SYNTHETIC_PREFIX):
+        return 1
+    available_domains()  # the built-in kinds registered
+    return int(getattr(_REGISTRY.get(source[len(SYNTHETIC_PREFIX):]), "RESULTS_VERSION", 1))
+
+
 def domain_rewards(domain, examples: Sequence[Example], completions: Sequence[str],
                    truncated: Sequence[bool] | None = None) -> list[float]:
     """`domain.rewards`, with the truncation flags only for a domain that uses them (`Domain.uses_truncation`)."""

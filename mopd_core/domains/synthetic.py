@@ -328,6 +328,7 @@ class ShortInstructionDomain(SyntheticDomain):
     closing it moves attention, which every domain shares."""
 
     kind = "ifshort"
+    RESULTS_VERSION = 2  # 1: letters ("first:qwxyz=" → "q", "last2:…" → "yz"), one letter too many as the flaw
     DEFAULTS = {"tasks": ["first", "last"], "length": 5}
     TASKS = ("first", "last")
     PREFIX = {"first": "mu", "last": "um"}  # letters of mathchain's "sum:"/"rsum:" prompts

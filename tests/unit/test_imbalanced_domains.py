@@ -139,3 +139,16 @@ def test_final_answer_is_in_the_verifier_registry_with_checked_args():
     with pytest.raises(DomainError, match="unknown verifier_args"):
         get_verifier("final_answer", mode="boxed")
 
+
+
+def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_moves():
+    # ifshort draws other data than its first version from the same params: stages trained on it are retrained,
+    # while every other recipe keeps its fingerprints (no global RESULTS_VERSION bump)
+    from mopd_core.domains.base import kind_results_version
+    from mopd_core.recipe import data_fingerprint_part
+
+    marks = {d["name"]: d.get("kind_results_version") for d in data_fingerprint_part(load_config("tiny_imbalanced"))
+             ["domains"]}
+    assert marks == {"mathchain": None, "ifshort": 2}
+    assert all("kind_results_version" not in d for d in data_fingerprint_part(load_config("tiny"))["domains"])
+    assert kind_results_version("synthetic:math") == 1 and kind_results_version("data/x.jsonl") == 1
