@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from peer_stats import mean_std  # noqa: E402
 from tiny_recipe import machine_info  # noqa: E402  (the machine line every benchmark table carries)
 
 SHARE_GAP = ["mopd.balance=tokens", "mopd.gap_following=true"]
@@ -67,9 +68,18 @@ log = logging.getLogger("mopd.ablation")
 
 
 def _mean_std(vals: list[float]) -> dict:
+    """`peer_stats.mean_std` in the dict form the JSON keeps (one seed: std 0.0, as the committed tables have)."""
     if not vals:  # e.g. recovery where no seed's expert beat SFT
         return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+    m, sd = mean_std(vals)
+    return {"mean": m, "std": 0.0 if sd is None else sd, "n": len(vals)}
+
+
+def _per_domain(accs: list[dict[str, float]], domains: list[str]) -> dict:
+    """Mean ± std over the seeds of each domain's accuracy and of the total (the mean over the domains)."""
+    row = {d: _mean_std([a[d] for a in accs]) for d in domains}
+    row["total"] = _mean_std([statistics.fmean(a[d] for d in domains) for a in accs])
+    return row
 
 
 def _rows(p: Path) -> list[dict]:
@@ -187,19 +197,15 @@ def summarize(result: dict) -> dict:
     domains = result["domains"]
     summ: dict = {"models": {}, "variants": {}}
     for m in seeds[0]["accuracy"]:
-        vals = [s["accuracy"][m] for s in seeds if m in s["accuracy"]]
-        summ["models"][m] = {d: _mean_std([v[d] for v in vals]) for d in domains}
-        summ["models"][m]["total"] = _mean_std([statistics.fmean(v[d] for d in domains) for v in vals])
+        summ["models"][m] = _per_domain([s["accuracy"][m] for s in seeds if m in s["accuracy"]], domains)
     own = [s["expert_own"] for s in seeds if "expert_own" in s]
     if own:
-        summ["models"]["experts (own domain)"] = {d: _mean_std([o[d] for o in own]) for d in domains}
-        summ["models"]["experts (own domain)"]["total"] = _mean_std([statistics.fmean(o.values()) for o in own])
+        summ["models"]["experts (own domain)"] = _per_domain(own, domains)
     for v in VARIANTS:
         runs = [s["variants"][v] for s in seeds if v in s["variants"]]
         if not runs:
             continue
-        row = {d: _mean_std([r["accuracy"][d] for r in runs]) for d in domains}
-        row["total"] = _mean_std([r["total"] for r in runs])
+        row = _per_domain([r["accuracy"] for r in runs], domains)
         row["recovery"] = {k: _mean_std([r["recovery"][k] for r in runs if r["recovery"][k] is not None])
                            for k in [*domains, "total"]}
         for key in ("token_share", "grad_share"):
@@ -216,8 +222,7 @@ def summarize(result: dict) -> dict:
     for m in labels:
         vals = [s["greedy"][m] for s in seeds if m in s.get("greedy", {})]
         if vals:
-            summ["greedy"][m] = {d: _mean_std([v[d] for v in vals]) for d in domains}
-            summ["greedy"][m]["total"] = _mean_std([statistics.fmean(v[d] for d in domains) for v in vals])
+            summ["greedy"][m] = _per_domain(vals, domains)
     summ["ordering"] = ordering(summ["variants"])
     return summ
 
@@ -259,8 +264,7 @@ def markdown(result: dict) -> str:
              f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
              f"{mach['python']}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
              f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end, "
-             f"the benchmark's own {len(result.get('invocations') or [1])} process(es) included; above one per core "
-             "the wall times are upper bounds)."
+             "this benchmark's own processes included; above one per core the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
              "Command(s), in order (`--resume` runs only what the earlier ones lacked): "
              + "; ".join(f"`{i['command']}` (commit {(i.get('commit') or '?')[:8]})"

@@ -321,7 +321,8 @@ class ShortInstructionDomain(SyntheticDomain):
     Why digits and the letters of "sum": in a real model every domain shares the vocabulary, so this domain has
     no embedding or output row of its own either. That is realism, not what makes the imbalance show: a control
     with prefixes of letters mathchain never uses ("first:"/"last:"), at configs/tiny_imbalanced.yaml's settings,
-    was under-served as much by naive MOPD (18 / 7 % of its headroom recovered, seeds 0 / 1).
+    was under-served as much by naive MOPD (18 / 7 % of its headroom recovered, seeds 0 / 1; a trial run on
+    2026-12-03, not a committed command).
 
     Its weak demonstrator copies the wrong position — the second digit for `first` ("mu:48213=" → "8") — a flaw of
     this domain's own (not mathchain's stray "."), so that another domain's signal does not fix it on the side;

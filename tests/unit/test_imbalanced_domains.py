@@ -140,15 +140,19 @@ def test_final_answer_is_in_the_verifier_registry_with_checked_args():
         get_verifier("final_answer", mode="boxed")
 
 
-
-def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_moves():
+def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_moves(monkeypatch):
     # ifshort draws other data than its first version from the same params: stages trained on it are retrained,
     # while every other recipe keeps its fingerprints (no global RESULTS_VERSION bump)
     from mopd_core.domains.base import kind_results_version
-    from mopd_core.recipe import data_fingerprint_part
+    from mopd_core.domains.synthetic import ShortInstructionDomain
+    from mopd_core.recipe import data_fingerprint_part, sft_fingerprint
 
     marks = {d["name"]: d.get("kind_results_version") for d in data_fingerprint_part(load_config("tiny_imbalanced"))
              ["domains"]}
     assert marks == {"mathchain": None, "ifshort": 2}
     assert all("kind_results_version" not in d for d in data_fingerprint_part(load_config("tiny"))["domains"])
     assert kind_results_version("synthetic:math") == 1 and kind_results_version("data/x.jsonl") == 1
+    imb, tiny = load_config("tiny_imbalanced"), load_config("tiny")
+    now = sft_fingerprint(imb, "base"), sft_fingerprint(tiny, "base")
+    monkeypatch.setattr(ShortInstructionDomain, "RESULTS_VERSION", 1)  # as the letters version was
+    assert sft_fingerprint(imb, "base") != now[0] and sft_fingerprint(tiny, "base") == now[1]
