@@ -71,6 +71,39 @@ def policy_loss(
         - with ``proximal_logp``: ``is_weight_mean`` (of ``c(u)``), ``is_capped_frac`` (tokens over the cap) and
           ``behaviour_kl`` (k3 estimate of ``KL(μ ‖ π_prox)``: how stale the samples are).
     """
+    bmask = _checked_mask(logp, behaviour_logp, mask, clip_low, clip_high, proximal_logp, is_cap, is_mode)
+    adv = advantages.detach().to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    adv = adv.expand(bmask.shape)
+    zero = torch.zeros_like(logp)
+
+    # where (not multiply) keeps nan/-inf at masked positions out of value and gradient.
+    anchor = behaviour_logp if proximal_logp is None else proximal_logp
+    log_ratio = torch.where(bmask, logp - anchor.detach().to(logp.dtype), zero)
+    log_ratio = log_ratio.clamp(min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT)
+    adv = torch.where(bmask, adv, zero)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(min=1.0 - clip_low, max=1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * torch.where(bmask, token_weights.detach().to(logp.dtype), zero)
+    iw = None
+    if proximal_logp is not None:
+        iw = _importance_weight(proximal_logp, behaviour_logp, bmask, zero, is_cap, is_mode)
+        per_token = per_token * torch.where(bmask, iw[0], zero)
+    per_token = torch.where(bmask, per_token, zero)
+    n_tokens = bmask.sum()
+    loss = per_token.sum() / n_tokens.clamp(min=1).to(logp.dtype)
+    with torch.no_grad():
+        clip_active = bmask & (clipped.detach() < unclipped.detach())
+        metrics = _loss_metrics(loss, ratio.detach(), log_ratio.detach(), clip_active, bmask, zero, iw)
+    return loss, metrics
+
+
+def _checked_mask(logp, behaviour_logp, mask, clip_low, clip_high, proximal_logp, is_cap, is_mode) -> torch.Tensor:
+    """The boolean mask, after the arguments' checks (one ValueError naming the argument)."""
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}, {clip_high}")
     if is_mode not in ("truncate", "mask"):
@@ -83,58 +116,43 @@ def policy_loss(
             f"logp, behaviour_logp and mask must all be [B, T]; got {tuple(logp.shape)}, "
             f"{tuple(behaviour_logp.shape)}, {tuple(mask.shape)}"
         )
-    adv = advantages.detach().to(logp.dtype)
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(-1)
-    adv = adv.expand(bmask.shape)
-    zero = torch.zeros_like(logp)
+    if proximal_logp is not None and proximal_logp.shape != bmask.shape:
+        raise ValueError(f"proximal_logp must be [B, T] like logp; got {tuple(proximal_logp.shape)}")
+    return bmask
 
-    # where (not multiply) keeps nan/-inf at masked positions out of value and gradient.
-    anchor = behaviour_logp if proximal_logp is None else proximal_logp
-    if anchor.shape != bmask.shape:
-        raise ValueError(f"proximal_logp must be [B, T] like logp; got {tuple(anchor.shape)}")
-    log_ratio = torch.where(bmask, logp - anchor.detach().to(logp.dtype), zero)
-    log_ratio = log_ratio.clamp(min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT)
-    adv = torch.where(bmask, adv, zero)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(min=1.0 - clip_low, max=1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    if token_weights is not None:
-        per_token = per_token * torch.where(bmask, token_weights.detach().to(logp.dtype), zero)
-    if proximal_logp is not None:
-        log_u = torch.where(bmask, (proximal_logp - behaviour_logp).detach().to(logp.dtype), zero)
-        u = torch.exp(log_u.clamp(min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT))
-        over = bmask & (u > is_cap) if is_cap is not None else torch.zeros_like(bmask)
-        if is_cap is not None:
-            u = torch.where(over, u.new_tensor(is_cap) if is_mode == "truncate" else zero, u)
-        per_token = per_token * torch.where(bmask, u, zero)
-    per_token = torch.where(bmask, per_token, zero)
+
+def _importance_weight(proximal_logp, behaviour_logp, bmask, zero, is_cap, is_mode):
+    """Decoupled PPO's ``c(u)`` with ``u = π_prox/μ`` (a constant): ``(c(u), over the cap, log u)``."""
+    log_u = torch.where(bmask, (proximal_logp - behaviour_logp).detach().to(zero.dtype), zero)
+    u = torch.exp(log_u.clamp(min=-LOG_RATIO_LIMIT, max=LOG_RATIO_LIMIT))
+    over = bmask & (u > is_cap) if is_cap is not None else torch.zeros_like(bmask)
+    if is_cap is not None:
+        u = torch.where(over, u.new_tensor(is_cap) if is_mode == "truncate" else zero, u)
+    return u, over, log_u
+
+
+def _loss_metrics(loss, r, lr, clip_active, bmask, zero, iw) -> dict[str, float]:
+    """`policy_loss`'s metrics, each over the unmasked tokens (0.0 without any)."""
     n_tokens = bmask.sum()
-    loss = per_token.sum() / n_tokens.clamp(min=1).to(logp.dtype)
-
-    with torch.no_grad():
-        n = n_tokens.clamp(min=1).to(logp.dtype)
-        r = ratio.detach()
-        lr = log_ratio.detach()
-        clip_active = bmask & (clipped.detach() < unclipped.detach())
-        if int(n_tokens) > 0:
-            metrics = {
-                "clip_frac": float(clip_active.sum().to(logp.dtype) / n),
-                "ratio_mean": float(torch.where(bmask, r, zero).sum() / n),
-                "ratio_max": float(r[bmask].max()),
-                "approx_kl": float(torch.where(bmask, r - 1.0 - lr, zero).sum() / n),
-                "loss": float(loss.detach()),
-            }
-            if proximal_logp is not None:
-                metrics.update({
-                    "is_weight_mean": float(torch.where(bmask, u, zero).sum() / n),
-                    "is_capped_frac": float(over.sum().to(logp.dtype) / n),
-                    # k3 of KL(μ ‖ π_prox) with the ratio π_prox/μ, before the cap
-                    "behaviour_kl": float(torch.where(bmask, log_u.exp() - 1.0 - log_u, zero).sum() / n),
-                })
-        else:
-            metrics = {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0, "loss": 0.0}
-            if proximal_logp is not None:
-                metrics.update({"is_weight_mean": 0.0, "is_capped_frac": 0.0, "behaviour_kl": 0.0})
-    return loss, metrics
+    n = n_tokens.clamp(min=1).to(zero.dtype)
+    if int(n_tokens) == 0:
+        metrics = {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0, "loss": 0.0}
+        if iw is not None:
+            metrics.update({"is_weight_mean": 0.0, "is_capped_frac": 0.0, "behaviour_kl": 0.0})
+        return metrics
+    metrics = {
+        "clip_frac": float(clip_active.sum().to(zero.dtype) / n),
+        "ratio_mean": float(torch.where(bmask, r, zero).sum() / n),
+        "ratio_max": float(r[bmask].max()),
+        "approx_kl": float(torch.where(bmask, r - 1.0 - lr, zero).sum() / n),
+        "loss": float(loss.detach()),
+    }
+    if iw is not None:
+        u, over, log_u = iw
+        metrics.update({
+            "is_weight_mean": float(torch.where(bmask, u, zero).sum() / n),
+            "is_capped_frac": float(over.sum().to(zero.dtype) / n),
+            # k3 of KL(μ ‖ π_prox) with the ratio π_prox/μ, before the cap
+            "behaviour_kl": float(torch.where(bmask, log_u.exp() - 1.0 - log_u, zero).sum() / n),
+        })
+    return metrics

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -146,13 +145,14 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
 class PhaseScheduler:
     """Runs the loop's phases, offloading what the next phase does not need (colocated) and recording memory.
 
-    `model`/`opt`: the trainer's; `engine`: the rollout engine (`sleep`/`wake`/`sync_weights` when it holds its own
-    copy of the weights — the HF engine samples from the trainer's module and needs none of it)."""
+    `model`/`opt`: the trainer's; `sync`: the stage's weight-sync role (`train.roles.weight_sync`), called at the
+    start of every rollout phase to bring the engine to the trainer's weights (`push(model, version) -> metrics`)
+    and at its end (`after_rollout(colocated)`: an engine with its own memory sleeps); None = no engine here."""
 
     def __init__(self, *, kind: str, device: torch.device, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 engine=None, teachers=None, placement: str = "colocated", events_path: str | Path | None = None):
+                 sync=None, teachers=None, placement: str = "colocated", events_path: str | Path | None = None):
         self.kind, self.device = kind, torch.device(device)
-        self.model, self.opt, self.engine = model, opt, engine
+        self.model, self.opt, self.sync = model, opt, sync
         self.teachers = teachers
         self.colocated = placement == "colocated"
         self.placement = placement
@@ -210,21 +210,16 @@ class PhaseScheduler:
         self._step_metrics = {}
 
     @contextmanager
-    def rollout(self):
+    def rollout(self, version: int):
+        """The rollout phase of the step whose samples weight `version` (the updates so far) generates."""
         with self.phase("rollout"):
-            if self.engine is not None:
-                # the engine wakes itself in two halves: `sync_weights` wakes only its weight memory (writing into
-                # slept memory crashes vllm-ascend), `generate` the KV cache — so no blanket wake() here
-                t0 = time.perf_counter()
-                rep = self.engine.sync_weights(self.model)
-                self._step_metrics["perf/weight_sync_s"] = time.perf_counter() - t0
-                if isinstance(rep, dict) and "bytes_copied" in rep:
-                    self._step_metrics["weights/bytes_copied"] = float(rep["bytes_copied"])
+            if self.sync is not None:
+                self._step_metrics.update(self.sync.push(self.model, version))
             try:
                 yield
             finally:
-                if self.engine is not None and self.colocated:
-                    self.engine.sleep()
+                if self.sync is not None:
+                    self.sync.after_rollout(self.colocated)
 
     @contextmanager
     def teacher(self, name: str):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import algorithms as alg
+from ..config import PolicyLoopConfig
 from ..rollout import RolloutBatch, score_completions
 
 ADVANTAGE_KD = ("sampled_rkl", "topk_rkl")  # the kd losses that enter as an advantage (refresh, gap, conflict)
@@ -138,6 +139,58 @@ def dense_candidates(model, batch: RolloutBatch, router, *, kind: str, k: int, t
     cm = batch.completion_mask.bool().unsqueeze(-1)
     old = torch.where(cm, old.float(), torch.zeros_like(teacher))
     return routed, slot_ids, kd_valid, rl_slot, old, teacher
+
+
+def kd_plan(cfg: PolicyLoopConfig, conflict: str, nats: float, routed, dense, batch: RolloutBatch, mask, adv,
+             group_ids, names: list[str], gaps):
+    """The step's advantage with the distillation term as a `KDPlan` (dense top-K, reward refresh,
+    gap-following, teacher conflict): `(advantage [B,T] or [B,T,S], plan, metrics, running gaps)`. `adv` holds the
+    GRPO part `[B,T]`."""
+    m: dict[str, float] = {}
+    n_tok = mask.sum().clamp(min=1)
+    if dense is not None:
+        slot_ids, kd_valid, rl_slot, old, teacher = dense
+        anchor = old[..., -1]  # the student's log-prob of the sampled token before the update
+    else:
+        teacher, anchor = routed.logp, batch.behaviour_logp
+    keep = torch.ones_like(mask)
+    if conflict != "none":
+        tnames = list(routed.per_teacher)
+        per = torch.stack([routed.per_teacher[n][1] for n in tnames])  # mixture: every teacher scored every row
+        hit, pick = alg.teacher_conflict(per, anchor, mask, nats)
+        if conflict == "mask":
+            keep = keep * (~hit).to(keep.dtype)
+        elif dense is not None:  # the picked teacher's log-probs of every slot
+            per_s = torch.stack([torch.cat([routed.per_teacher_support[n], routed.per_teacher[n][1].unsqueeze(-1)], -1)
+                                 for n in tnames]).to(teacher.dtype)
+            chosen = per_s.gather(0, pick[None, ..., None].expand((1,) + per_s.shape[1:]))[0]
+            teacher = torch.where(hit.unsqueeze(-1), chosen, teacher)
+        else:
+            teacher = torch.where(hit, per.gather(0, pick[None])[0], teacher)
+        m["conflict/frac"] = float(hit.sum() / n_tok)
+    if dense is not None:
+        a_kd = alg.topk_rkl_advantages(old, teacher, kd_valid, mask, cfg.kd_clip)
+    else:
+        a_kd = alg.reverse_kl_advantages(teacher, batch.behaviour_logp, mask, clip=cfg.kd_clip)
+    m["adv/kd_mean"] = float(((a_kd.sum(-1) if dense is not None else a_kd) * mask).sum() / n_tok)
+    scale = torch.ones_like(mask)
+    if cfg.gap_following:
+        g = alg.domain_gaps(a_kd, group_ids, mask, len(names))
+        gaps = alg.ema_gaps(gaps, g.tolist(), cfg.gap_momentum)
+        scales = alg.gap_scales(gaps, *cfg.gap_clip)
+        scale = torch.tensor(scales, dtype=mask.dtype, device=mask.device)[group_ids].unsqueeze(-1).expand_as(mask)
+        for n, gm, sc in zip(names, gaps, scales):
+            if gm is not None:
+                m[f"gap/m/{n}"], m[f"gap/scale/{n}"] = gm, sc
+    factor = cfg.w_kd * scale * keep  # exactly w_kd where no scale or conflict applies
+    if dense is None:
+        plan = KDPlan(False, teacher, factor, adv, cfg.kd_clip, cfg.reward_refresh)
+        return adv + factor * a_kd, plan, m, gaps
+    rl_adv = rl_slot.to(adv.dtype) * adv.unsqueeze(-1)  # the GRPO outcome term on the sampled token's slot only
+    plan = KDPlan(True, teacher, factor, rl_adv, cfg.kd_clip, cfg.reward_refresh, slot_ids, old, kd_valid,
+                     kd_valid | rl_slot)
+    m["kd/candidates_per_token"] = float((kd_valid & mask.bool().unsqueeze(-1)).sum() / n_tok)
+    return rl_adv + factor.unsqueeze(-1) * a_kd, plan, m, gaps
 
 
 def restore_gaps(metrics_path: Path, names: list[str]) -> list[float | None]:

@@ -10,6 +10,7 @@ import pytest
 
 from mopd_core.runtime.staleness import PipelineStalledError
 from mopd_core.train.pipeline import AsyncPipeline, Produced
+from mopd_core.train.roles.weight_sync import ServedSync
 
 
 class _Batch:
@@ -47,7 +48,7 @@ def _pipe(engine, k, steps=6, start=0, gen_s=0.0, fail_at=None, hang_at=None, ti
         seen[s] = engine.version
         return Produced(s, None, _Batch())
 
-    return AsyncPipeline(engine=engine, generate=generate, score=lambda p: None, start=start, steps=steps,
+    return AsyncPipeline(sync=ServedSync(engine), generate=generate, score=lambda p: None, start=start, steps=steps,
                          max_staleness=k, queue_size=queue_size, timeout_s=timeout_s), seen
 
 

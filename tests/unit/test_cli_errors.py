@@ -138,12 +138,12 @@ def test_deliberate_bug_inside_the_loop_prints_a_traceback(tmp_path):
     site.mkdir()
     # the bug, injected into the child before the CLI runs: the first policy update raises
     (site / "sitecustomize.py").write_text(textwrap.dedent("""
-        import mopd_core.train.loop as loop
+        import mopd_core.train.update as update
 
         def policy_update(*args, **kwargs):
             raise ValueError("deliberate bug in the loop")
 
-        loop.policy_update = policy_update
+        update.policy_update = policy_update
     """))
     env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     sets = [a for o in tiny_overrides(tmp_path / "out") for a in ("--set", o)]

@@ -1,4 +1,4 @@
-"""The MOPD objectives (`algorithms.objectives`, the loop's `_kd_plan` / `policy_update`) against float64
+"""The MOPD objectives (`algorithms.objectives`, `train.kd.kd_plan` / `train.update.policy_update`) against float64
 references: Open-MOPD's dense top-K reverse KL (reward, per-candidate PPO loss and its gradient; K=1 on the sampled
 token is the sampled-token form), gap-following (equal gaps: bit-equal advantages), reward refresh (one minibatch:
 bit-equal to no refresh), teacher conflict (none: unchanged), the full-vocabulary JSD (β=0/1 = forward/reverse KL
@@ -137,7 +137,7 @@ def _step(seed=0, B=6, T=4, mixture=False):
 def _plan(cfg, batch, routed, group_ids, conflict="none", nats=1.0, gaps=None):
     mask = batch.completion_mask.to(D)
     adv = 0.5 * _rand(batch.size, seed=3)[:, None] * mask
-    return L._kd_plan(cfg, conflict, nats, routed, None, batch, mask, adv, group_ids, ["x", "y"],
+    return L.kd.kd_plan(cfg, conflict, nats, routed, None, batch, mask, adv, group_ids, ["x", "y"],
                       gaps if gaps is not None else [None, None])
 
 

@@ -340,7 +340,7 @@ def test_training_rewards_get_the_truncation_flags(tmp_path):
     from mopd_core.domains import build_domain
     from mopd_core.evaluation import truncated_flags
     from mopd_core.rollout import RolloutBatch
-    from mopd_core.train.loop import _rewards
+    from mopd_core.train.roles.scorer import rewards as _rewards
 
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2?", "answer": "4"})

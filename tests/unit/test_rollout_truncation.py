@@ -18,7 +18,8 @@ from mopd_core import rollout as RO
 from mopd_core.config import load_config
 from mopd_core.errors import ConfigError
 from mopd_core.models import build_tiny, forward, load_model
-from mopd_core.train import loop as L
+from mopd_core.train import roles as RL
+from mopd_core.train import update as U
 from tests.conftest import tiny_overrides
 
 torch.set_num_threads(1)
@@ -53,7 +54,7 @@ def _run(tmp_path, models, extra=(), monkeypatch=None, reference=True):
     base, teacher = models
     generated, updated = [], []
     if monkeypatch is not None:
-        build, update = L.build_rollout, L.policy_update
+        build, update = RL.build_rollout, U.policy_update
 
         def spy_build(*a, **k):
             eng = build(*a, **k)
@@ -69,8 +70,8 @@ def _run(tmp_path, models, extra=(), monkeypatch=None, reference=True):
         def spy_update(model, opt, sched, batch, *a, **k):
             updated.append((batch, _reference_logp(model, batch, cfg.rollout.temperature) if reference else None))
             return update(model, opt, sched, batch, *a, **k)
-        monkeypatch.setattr(L, "build_rollout", spy_build)
-        monkeypatch.setattr(L, "policy_update", spy_update)
+        monkeypatch.setattr(RL, "build_rollout", spy_build)
+        monkeypatch.setattr(U, "policy_update", spy_update)
     out = R.mopd_stage(cfg, base, {d: teacher for d in cfg.domain_names()}, progress=False)
     sd = load_model(out.model_dir).state_dict()
     digest = hashlib.sha256(b"".join(sd[k].numpy().tobytes() for k in sorted(sd))).hexdigest()
@@ -134,7 +135,7 @@ def test_truncated_rollout_trains_on_the_trainers_recomputed_behaviour_logprobs(
 def test_without_truncation_the_engines_batch_is_used_as_it_is_and_no_extra_forward_runs(tmp_path, models,
                                                                                       monkeypatch):
     monkeypatch.setattr(RO, "completion_logprobs", lambda *a, **k: pytest.fail("an extra forward ran"))
-    monkeypatch.setattr(L, "recompute_behaviour_logp", lambda *a, **k: pytest.fail("recompute without truncation"))
+    monkeypatch.setattr(U, "recompute_behaviour_logp", lambda *a, **k: pytest.fail("recompute without truncation"))
     history, digest, generated, updated = _run(tmp_path / "a", models, monkeypatch=monkeypatch, reference=False)
     assert len(generated) == len(updated) == 2
     for row, (eng, kw), (upd, _) in zip(history, generated, updated):
