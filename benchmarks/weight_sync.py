@@ -11,8 +11,6 @@ Models
   received copy is freed at once. `--large-layers K` shrinks it (K layers) on a busy or small machine.
 - `llama-200-meta`: a 200-tensor layout (22 layers × 9 + embed + lm_head, hidden 1024) on the **meta device**:
   handle counts only (they depend on shapes alone) — the "≥ 50× fewer handles" target.
-Plus transfer plans for the 0.5B layout: FSDP over 8 ranks → TP over 1/2/4 ranks (pieces, rank pairs, bytes,
-planning seconds).
 
 Writes benchmarks/results/weight_sync.json (or --out) and a Markdown table beside it (same stem, .md).
 
@@ -40,9 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mopd_core.weights import (CollectiveTransport, InProcessTransport, Layout, SafetensorsTransport, Shard,  # noqa: E402
-                               SharedMemoryTransport, build_transfer_plan, llama_tp_placement, pack_buckets,
-                               plan_buckets)
+from mopd_core.weights import (CollectiveTransport, InProcessTransport, SafetensorsTransport,  # noqa: E402
+                               SharedMemoryTransport, pack_buckets, plan_buckets)
 
 TRANSPORTS = ("inprocess", "safetensors", "shared_memory", "collective")
 
@@ -244,17 +241,6 @@ def handle_counts(name: str, shapes: dict[str, tuple[int, ...]], dtype: str, buc
             "reduction": round(n / len(lays), 1)}
 
 
-def plan_rows(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
-    out = []
-    for n_train, m_infer in ((8, 1), (8, 2), (8, 4), (2, 4)):
-        t0 = time.perf_counter()
-        plan = build_transfer_plan(shapes, Layout(n_train, default=Shard(0)), Layout(m_infer, llama_tp_placement),
-                                   dtypes={n: torch.bfloat16 for n in shapes})
-        out.append({"train_fsdp": n_train, "infer_tp": m_infer, **plan.summary(),
-                    "plan_s": round(time.perf_counter() - t0, 4)})
-    return out
-
-
 # ---------------------------------------------------------------- report
 
 def markdown(out: dict) -> str:
@@ -276,12 +262,6 @@ def markdown(out: dict) -> str:
     for h in out["handles"]:
         lines.append(f"| {h['model']} | {h['tensors']} | {h['params'] / 1e6:.1f} M | {h['dtype']} | {h['bucket_mb']:g} "
                      f"| {h['per_tensor_handles']} | {h['bucketed_handles']} | {h['reduction']}× |")
-    if out.get("plans"):
-        lines += ["", "## Transfer plans, Qwen2.5-0.5B shapes (FSDP dim-0 shards → Megatron/vLLM TP placements)", "",
-                  "| FSDP ranks | TP ranks | pieces | rank pairs | MB moved | plan s |", "|---|---|---|---|---|---|"]
-        for p in out["plans"]:
-            lines.append(f"| {p['train_fsdp']} | {p['infer_tp']} | {p['pieces']} | {p['rank_pairs']} | "
-                         f"{p['bytes'] / 1e6:.1f} | {p['plan_s']} |")
     lines += ["", "## Targets", ""] + [f"- {k}: {'met' if v else 'NOT met'}" for k, v in out["targets"].items()]
     lines += ["", "Notes: *messages* = objects handed over (in-process), files (safetensors), shared-memory segments, "
               "collective calls (1 `broadcast_object_list` + 1 `broadcast` per buffer). *copied* = bytes written "
@@ -340,7 +320,7 @@ def main(argv=None) -> int:
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                       f"{args.threads} thread(s)",
            "bucket_mb": args.bucket_mb, "repeat": args.repeat, "rows": rows, "handles": handles,
-           "plans": plan_rows(large), "targets": targets,
+           "targets": targets,
            "peak_rss_mb_parent": round(peak_rss_mb(), 1), "total_s": round(time.perf_counter() - t_all, 1)}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ library is a bug until shown otherwise).
       PipelineStalledError  runtime.staleness.PipelineStalledError  async: no samples within the timeout
       TrackingUnavailable                              the MLflow tracking store cannot be reached
     (neither: programming errors, kept as ValueError/RuntimeError — weights.buckets.BucketError,
-     weights.plan.TransferPlanError, weights.transports.TransportError: their inputs come from our own code)
+     weights.transports.TransportError: their inputs come from our own code)
 
 This module imports nothing from the package, so every layer may raise these.
 """

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mopd_core import algorithms as alg
 from mopd_core.algorithms import logprobs as LP
 from mopd_core.config import ConfigError, MOPDConfig, load_config
-from mopd_core.rollout import RolloutBatch
+from mopd_core.rollout import RolloutBatch, score_completions
 from mopd_core.teachers import RoutedScore
 from mopd_core.train import loop as L
 from tests.conftest import tiny_overrides
@@ -235,7 +235,7 @@ def test_reward_refresh_with_one_minibatch_is_no_refresh_and_with_two_uses_the_c
     model = _model()
     mask = batch.completion_mask.to(D)
     with torch.no_grad():
-        sc = L.score_completions(model, batch, 1.0, top_k=3)
+        sc = score_completions(model, batch, 1.0, top_k=3)
     batch.behaviour_logp = sc.logp.to(D)
     t_lp = _logp(*mask.shape, V, seed=5)
     a_rl = 0.3 * _rand(batch.size, seed=6)[:, None] * mask
@@ -253,7 +253,7 @@ def test_reward_refresh_with_one_minibatch_is_no_refresh_and_with_two_uses_the_c
     adv = plan.advantage(old, every, mask.shape[1], mask)  # the stored advantage: against the sampling student
     # refreshing against the student that made it gives it back (float64, bit for bit up to the scorer's rounding)
     with torch.no_grad():
-        sc2 = L.score_completions(model, batch, 1.0, support_ids=plan.slot_ids if dense else None)
+        sc2 = score_completions(model, batch, 1.0, support_ids=plan.slot_ids if dense else None)
     again = plan.advantage((sc2.support_logp if dense else sc2.logp).to(D), every, mask.shape[1], mask)
     torch.testing.assert_close(again, adv, rtol=0, atol=1e-6)
     one = MOPDConfig(minibatches=1, grad_clip=1e9)

@@ -1,19 +1,15 @@
-"""weights/: bucketing round trips bit-exact, transfer plans cover every element once, transports hand over
+"""weights/: bucketing round trips bit-exact, transports hand over
 the exact bits (in-process without a copy). Cross-process transports are in
 tests/integration/test_weight_transports.py; CUDA IPC in tests/device/test_cuda_ipc.py."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from mopd_core.weights import (BucketError, InProcessTransport, Layout, Replicate, SafetensorsTransport, Shard,
-                               SharedMemoryTransport, TransferPlanError, TransportError, box_slices,
-                               build_transfer_plan, column, execute_plan, llama_tp_placement, make_transport,
-                               pack_buckets, plan_buckets, row, shard_sizes, shard_state, shard_tensor,
-                               single_tensor_buckets)
+from mopd_core.weights import (BucketError, InProcessTransport, SafetensorsTransport, SharedMemoryTransport,
+                               TransportError, make_transport, pack_buckets, plan_buckets, single_tensor_buckets)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -118,133 +114,6 @@ def test_bucketing_200_tensor_model_uses_50x_fewer_handles():
 
 
 # ---------------------------------------------------------------- transfer plan
-
-def test_shard_sizes_chunk_even_explicit():
-    assert shard_sizes(5, 4, Shard(0)) == [2, 2, 1, 0]          # torch.chunk: trailing rank empty
-    assert [c.shape[0] for c in torch.chunk(torch.zeros(5), 4)] == [2, 2, 1]
-    assert shard_sizes(5, 4, Shard(0, split="even")) == [2, 1, 1, 1]
-    assert shard_sizes(7, 3, Shard(0, sizes=(0, 7, 0))) == [0, 7, 0]
-    assert shard_sizes(0, 3, Shard(0)) == [0, 0, 0]
-    with pytest.raises(TransferPlanError, match="summing to 7"):
-        shard_sizes(7, 3, Shard(0, sizes=(1, 2, 3)))
-
-
-def _random_case(rng: random.Random):
-    shapes, train, infer = {}, {}, {}
-    N, M = rng.randint(1, 8), rng.randint(1, 8)
-    for i in range(rng.randint(1, 4)):
-        nd = rng.randint(1, 3)
-        shape = tuple(rng.randint(0 if rng.random() < 0.05 else 1, 11) for _ in range(nd))
-        name = f"p{i}"
-        shapes[name] = shape
-        r = rng.random()
-        if r < 0.15:
-            train[name] = Replicate()
-        else:
-            d = rng.randrange(nd)
-            if r < 0.45:
-                cuts = sorted(rng.randint(0, shape[d]) for _ in range(N - 1))
-                sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, shape[d]]))
-                train[name] = Shard(d, sizes=sizes)
-            else:
-                train[name] = Shard(d, split=rng.choice(["chunk", "even"]))
-        options = [Replicate(), column()] + ([row()] if nd >= 2 else [])
-        infer[name] = rng.choice(options)
-    return shapes, Layout(N, train), Layout(M, infer)
-
-
-def test_transfer_plan_property_every_element_exactly_once():
-    rng = random.Random(0)
-    cases = 0
-    for _ in range(500):
-        shapes, train, infer = _random_case(rng)
-        g = torch.Generator().manual_seed(cases)
-        full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-        plan = build_transfer_plan(shapes, train, infer)
-        # coverage: every element of every destination shard written exactly once, only inside its box
-        for name, boxes in plan.dst_boxes.items():
-            for r, box in enumerate(boxes):
-                count = torch.zeros(tuple(b - a for a, b in box), dtype=torch.int32)
-                for p in plan.for_dst(r):
-                    if p.name == name:
-                        assert all(a >= da and b <= db for (a, b), (da, db) in zip(p.box, box))
-                        count[p.dst_slices] += 1
-                assert torch.all(count == 1), (name, r, shapes[name], train, infer)
-        # simulated execution equals the reference slicing of the full tensor
-        dst = execute_plan(plan, shard_state(full, train))
-        ref = shard_state(full, infer)
-        for r in range(infer.world_size):
-            for n in shapes:
-                assert torch.equal(dst[r][n], ref[r][n]), (n, r)
-        # no element moves twice to one rank: bytes moved = bytes the destination shards hold
-        assert plan.total_bytes == sum(ref[r][n].numel() * 4 for r in range(infer.world_size) for n in shapes)
-        cases += 1
-    assert cases == 500
-
-
-def test_box_subtraction_is_an_exact_partition():
-    # the recursive cut itself, on random boxes with cuts inside them in every dim (1-D sharded layouts only
-    # ever cut along one dim, so this exercises the general case directly)
-    from mopd_core.weights.plan import _subtract
-
-    rng = random.Random(1)
-    for _ in range(200):
-        box = tuple((a, a + rng.randint(1, 6)) for a in (rng.randint(0, 3) for _ in range(rng.randint(1, 3))))
-        cut = tuple((lambda c0: (c0, rng.randint(c0 + 1, b)))(rng.randint(a, b - 1)) for a, b in box)
-        count = torch.zeros(tuple(b for _, b in box), dtype=torch.int32)
-        count[box_slices(cut)] += 1
-        for rest in _subtract(box, cut):
-            assert all(a >= ba and b <= bb and a < b for (a, b), (ba, bb) in zip(rest, box))
-            count[box_slices(rest)] += 1
-        assert torch.all(count[box_slices(box)] == 1) and int(count.sum()) == count[box_slices(box)].numel()
-
-
-def test_transfer_plan_fsdp_to_tp_pieces_and_replica_balance():
-    # 2 FSDP ranks (dim 0) → 2 TP ranks row-parallel (dim 1): every inference rank needs a column half of
-    # both training shards: 4 pieces, each from exactly one source
-    plan = build_transfer_plan({"o_proj.weight": (4, 6)}, Layout(2, default=Shard(0)), Layout(2, default=row()))
-    got = sorted((p.src, p.dst, p.box) for p in plan.pieces)
-    assert got == [(0, 0, ((0, 2), (0, 3))), (0, 1, ((0, 2), (3, 6))),
-                   (1, 0, ((2, 4), (0, 3))), (1, 1, ((2, 4), (3, 6)))]
-    # same layout on both sides → each rank keeps exactly its own shard
-    same = build_transfer_plan({"w": (9, 3)}, Layout(3, default=column()), Layout(3, default=column()))
-    assert sorted((p.src, p.dst) for p in same.pieces) == [(0, 0), (1, 1), (2, 2)]
-    # DDP-replicated training → TP: inference rank r reads all of its shard from replica r mod N
-    rep = build_transfer_plan({"w": (8, 8)}, Layout(4, default=Replicate()), Layout(4, default=column()))
-    assert sorted((p.src, p.dst) for p in rep.pieces) == [(0, 0), (1, 1), (2, 2), (3, 3)]
-    assert len(rep.pairs) == 4 and rep.total_bytes == 8 * 8 * 4
-
-
-def test_transfer_plan_errors():
-    shapes = {"a": (4, 4), "b": (4,)}
-    with pytest.raises(TransferPlanError, match="no placement for tensor 'b'"):
-        build_transfer_plan(shapes, Layout(2, {"a": Shard(0)}), Layout(2, default=Replicate()))
-    with pytest.raises(TransferPlanError, match="not in the model"):
-        build_transfer_plan(shapes, Layout(2, {"a": Shard(0), "b": Shard(0), "c": Shard(0)}),
-                            Layout(1, default=Replicate()))
-    with pytest.raises(TransferPlanError, match="dim 1 is out of range"):
-        build_transfer_plan(shapes, Layout(2, default=Shard(0)), Layout(2, default=row()))
-    with pytest.raises(TransferPlanError, match="summing to 4"):
-        build_transfer_plan(shapes, Layout(2, default=Shard(0, sizes=(1, 1))), Layout(1, default=Replicate()))
-    with pytest.raises(TransferPlanError, match="world sizes"):
-        build_transfer_plan(shapes, Layout(0, default=Shard(0)), Layout(1, default=Replicate()))
-    plan = build_transfer_plan(shapes, Layout(2, default=Shard(0)), Layout(1, default=Replicate()))
-    with pytest.raises(TransferPlanError, match="shape"):
-        execute_plan(plan, [{"a": torch.zeros(2, 4), "b": torch.zeros(2)}, {"a": torch.zeros(3, 4),
-                                                                            "b": torch.zeros(2)}])
-
-
-def test_llama_tp_placement_on_names():
-    assert llama_tp_placement("model.layers.0.self_attn.q_proj.weight", (8, 8)) == column()
-    assert llama_tp_placement("model.layers.0.mlp.down_proj.weight", (8, 16)) == row()
-    assert llama_tp_placement("model.layers.0.self_attn.o_proj.bias", (8,)) == Replicate()
-    assert llama_tp_placement("model.embed_tokens.weight", (50, 8)) == column()
-    assert llama_tp_placement("model.norm.weight", (8,)) == Replicate()
-    full = torch.arange(24.0).view(4, 6)
-    assert torch.equal(shard_tensor(full, row(), 2, 1), full[:, 3:])
-
-
-# ---------------------------------------------------------------- transports (single process)
 
 def test_inprocess_transport_zero_copy_same_storage():
     state = mixed_state()
