@@ -131,6 +131,7 @@ def train_process(recipe: RecipeConfig, base_path: str | Path, rows: list[dict],
     history, tr = trainer
     state = tr.accelerator.get_state_dict(tr.model)  # gathers FSDP shards (a collective: every process calls it)
     acc = tr.accelerator
+    # accelerate's state has a `fsdp_plugin` only under FSDP (accelerate 1.x, checked on 1.16)
     how = {"distributed_type": str(acc.distributed_type).split(".")[-1], "num_processes": acc.num_processes,
            "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None)}
     if not tr.is_world_process_zero():
@@ -181,6 +182,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
     # accelerate's FSDP2 (one unit per decoder layer) exists for accelerators only: on CPU its MULTI_CPU state runs
     # DDP whatever the Trainer asks (distributed.sft warns; the RL/MOPD workers shard with torch FSDP2 on CPU too)
     if world > 1 and recipe.runtime.strategy == "fsdp2" and dinfo.kind != "cpu":
+        # transformers' `_no_split_modules` is a class attribute some models leave unset (transformers 5.x)
         fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={
             "fsdp_version": 2, "reshard_after_forward": True,
             "transformer_layer_cls_to_wrap": list(getattr(model, "_no_split_modules", None) or [])})
@@ -233,7 +235,7 @@ def _lm_head_tile_width(vocab: int):
     except ImportError:  # pragma: no cover - TRL is a dependency
         yield
         return
-    orig = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
+    orig = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)  # private TRL constant (trl 1.16), may go
     if not isinstance(orig, int) or vocab >= orig:
         yield
         return

@@ -43,7 +43,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
+    dt = getattr(torch, name, None)  # torch's dtype by name (torch.bfloat16, …): a library lookup
     if not isinstance(dt, torch.dtype):
         raise BucketError(f"unknown dtype '{name}'")
     return dt

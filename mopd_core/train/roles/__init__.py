@@ -86,7 +86,7 @@ def check_fit(ctx: StageContext, model, driver_copy: bool) -> None:
     in_process = {n: t.param_bytes for n, t in (teachers.teachers.items() if teachers is not None else [])
                   if t.in_process}
     n_params, _ = param_counts(model)
-    # with FSDP2 CPU offload only the gathered units are on the device
+    # with FSDP2 CPU offload only the gathered units are on the device (the dtype: torch's by name)
     gathered = (fsdp_gathered_bytes(n_params, model_shape(unwrap(model).config.to_dict()),
                                     getattr(torch, rt.dtype).itemsize) if ctx.recipe.train.fsdp_cpu_offload else None)
     check_colocated_fit(kind=ctx.kind, limit_gib=rt.memory_limit_gib,
