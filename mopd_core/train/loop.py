@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..config import EvalConfig, PolicyLoopConfig, RecipeConfig
+from ..config import EvalConfig, MOPDConfig, PolicyLoopConfig, RecipeConfig
 from ..errors import ConfigError, TrainingDivergedError
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
@@ -62,8 +62,6 @@ class LoopResult:
 
 
 def _section(loop_cfg: PolicyLoopConfig) -> str:
-    from ..config import MOPDConfig
-
     return "mopd" if isinstance(loop_cfg, MOPDConfig) else "expert"
 
 
