@@ -180,12 +180,11 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
     max_len = recipe.max_seq_len() + 1  # + the EOS TRL appends (chat: the end-of-turn token)
     fsdp = {}
     # accelerate's FSDP2 (one unit per decoder layer) exists for accelerators only: on CPU its MULTI_CPU state runs
-    # DDP whatever the Trainer asks (distributed.sft warns; the RL/MOPD workers shard with torch FSDP2 on CPU too);
-    # transformers' `_no_split_modules` is a class attribute some models leave unset (transformers 5.x)
+    # DDP whatever the Trainer asks (distributed.sft warns; the RL/MOPD workers shard with torch FSDP2 on CPU too)
     if world > 1 and recipe.runtime.strategy == "fsdp2" and dinfo.kind != "cpu":
         fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={
             "fsdp_version": 2, "reshard_after_forward": True,
-            "transformer_layer_cls_to_wrap": list(getattr(model, "_no_split_modules", None) or [])})
+            "transformer_layer_cls_to_wrap": list(getattr(model, "_no_split_modules", None) or [])})  # transformers 5.x
     args = SFTConfig(
         output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps,
         per_device_train_batch_size=cfg.batch_size // world,  # sft.batch_size stays the global batch
