@@ -98,7 +98,7 @@ def policy_loss(
     loss = per_token.sum() / n_tokens.clamp(min=1).to(logp.dtype)
     with torch.no_grad():
         clip_active = bmask & (clipped.detach() < unclipped.detach())
-        metrics = _loss_metrics(loss, ratio.detach(), log_ratio.detach(), clip_active, bmask, zero, iw)
+        metrics = _loss_metrics(loss, ratio.detach(), log_ratio.detach(), clip_active, bmask, n_tokens, zero, iw)
     return loss, metrics
 
 
@@ -131,9 +131,8 @@ def _importance_weight(proximal_logp, behaviour_logp, bmask, zero, is_cap, is_mo
     return u, over, log_u
 
 
-def _loss_metrics(loss, r, lr, clip_active, bmask, zero, iw) -> dict[str, float]:
+def _loss_metrics(loss, r, lr, clip_active, bmask, n_tokens, zero, iw) -> dict[str, float]:
     """`policy_loss`'s metrics, each over the unmasked tokens (0.0 without any)."""
-    n_tokens = bmask.sum()
     n = n_tokens.clamp(min=1).to(zero.dtype)
     if int(n_tokens) == 0:
         metrics = {"clip_frac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0, "loss": 0.0}
