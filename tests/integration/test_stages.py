@@ -213,7 +213,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(sft_run, tmp_path,
         loss, met = real(*a, **kw)
         return (loss * float("nan"), met) if calls["n"] == 3 else (loss, met)
 
-    monkeypatch.setattr(L.alg, "policy_loss", poisoned)
+    monkeypatch.setattr(alg, "policy_loss", poisoned)
     with pytest.raises(L.NonFiniteLossError, match=r"step 3\b.*step-000002"):
         R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     stage = Path(cfg.output_dir) / cfg.name / "expert-short"
