@@ -80,7 +80,7 @@ from ..models.chat import formatter_for
 from ..models.lora import export_state_dict
 from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
 
-BACKENDS = ("hf", "vllm", "served")
+BACKENDS = ("hf", "hf_graphed", "vllm", "served")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
              "or set rollout.backend=hf")
 
@@ -130,6 +130,10 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
     backend = getattr(cfg, "backend", "hf")
     if backend == "hf":
         return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
+    if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it
+        from .graphed import GraphedRollout
+
+        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
     if backend == "served":
         return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
     if backend != "vllm":
