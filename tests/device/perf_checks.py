@@ -14,6 +14,10 @@ packages that machine has (torch, transformers, triton; no vLLM, no download):
    same bytes through one device-to-device `copy_`). Goal: steady hand-over ≤ 2× the floor.
 4. `mopd_step`: one colocated MOPD step on the device — `HFRollout` sampling, a local teacher's scores, the
    sampled-token reverse-KL advantage and `train.loop.policy_update` — with seconds and peak memory per phase.
+5. `sampling`: sampling without vLLM — `HFRollout` against `rollout.backend: hf_graphed` (static KV cache, the
+   decode step captured as a CUDA graph) at the 1.7B shape with the real vocabulary, 128 prompts × 512 new tokens
+   (ignore_eos): tokens/s of both, capture seconds, token agreement for one seed, log-prob gaps, peak memory.
+   Goal: ≥ 8× the 523 tokens/s `HFRollout` sampled at in the first device run.
 
     python tests/device/perf_checks.py --out perf.json [--budget-s 420]    # on the GPU (run_all.sh calls it)
     python tests/device/perf_checks.py --dry-run --out /tmp/x.json          # tiny shapes on CPU (the unit test)
@@ -381,6 +385,100 @@ def check_mopd_step(device, tiny: bool) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- 5. sampling without vLLM: eager vs graphed
+
+
+SAMPLING_GOAL_TOKENS_PER_S = 8 * 523  # 8× HFRollout's 523 tokens/s measured on an H200 at commit 81997e3
+
+
+def _sampling_prompts(vocab: int, batch: int, width: int, device):
+    """Random prompt ids, left-padded to `width`, real lengths from width/4 to width (rows of different widths,
+    as a real batch)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, width), generator=g)
+    lens = torch.randint(max(1, width // 4), width + 1, (batch,), generator=g)
+    mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
+    return (ids * mask).to(device), mask.to(device)
+
+
+def _agreement(a_ids, a_lp, b_ids, b_lp) -> dict:
+    """Token agreement of two samplings from one seed over their common length, the first step at which each row
+    diverges, and the largest |Δ log-prob| before it (after a divergence the rows condition on other tokens)."""
+    T = min(a_ids.shape[1], b_ids.shape[1])
+    same = (a_ids[:, :T] == b_ids[:, :T])
+    first = torch.where(same.all(1), torch.full_like(same[:, 0], T, dtype=torch.long),
+                        (~same).float().argmax(1).long())
+    before = torch.arange(T, device=same.device)[None, :] < first[:, None]
+    gap = (a_lp[:, :T].double() - b_lp[:, :T].double()).abs()[before]
+    return {"tokens_compared": int(same.numel()), "identical_fraction": float(same.float().mean()),
+            "rows_identical": int(same.all(1).sum()), "first_divergence_min": int(first.min()),
+            "first_divergence_median": float(first.float().median()),
+            "max_abs_logp_diff_before_divergence": float(gap.max()) if gap.numel() else None}
+
+
+def _scorer_gap(model, ids, mask, c_ids, c_lp) -> float:
+    """Max |behaviour log-prob − the trainer's `completion_logprobs`| over the samples (both at temperature 1):
+    what the PPO ratio sees at step 0."""
+    from mopd_core.rollout import RolloutBatch, completion_logprobs
+
+    with torch.no_grad():
+        full = torch.ones_like(c_ids)
+        lp = completion_logprobs(model, RolloutBatch(ids, mask, c_ids, full, c_lp), 1.0, micro_batch_size=16)
+    return float((lp.double() - c_lp.double()).abs().max())
+
+
+def check_sampling(device, tiny: bool) -> dict:
+    """`HFRollout` (eager, launch-bound) against `GraphedRollout` (`rollout.backend: hf_graphed`: static KV cache,
+    the decode step captured as a device graph) on the Qwen3-1.7B shape with the real vocabulary, bf16, random
+    weights, 128 prompts × 512 new tokens with ignore_eos (every row full length). Eager runs only `eager_new`
+    tokens (at ~0.1-0.2 s a step 512 would take minutes): its tokens/s is measured there and is, if anything,
+    optimistic (its attention reads a shorter cache). Both engines sample from the same seed; the agreement is
+    measured over the eager tokens."""
+    from mopd_core.rollout import HFRollout
+    from mopd_core.rollout.graphed import GraphedRollout
+
+    cfg = qwen3_1p7b(tiny=tiny)
+    dtype = torch.bfloat16 if not tiny else torch.float32
+    B, P, new, eager_new = (128, 64, 512, 32) if not tiny else (4, 6, 8, 8)
+    model = build(cfg, device, dtype).eval()
+    ids, mask = _sampling_prompts(cfg.vocab_size, B, P, device)
+    kw = dict(max_new_tokens=eager_new, eos_id=[], pad_id=0)  # no stop id: ignore_eos
+    res = {"batch": B, "prompt_width": P, "max_new_tokens": new, "eager_new_tokens": eager_new,
+           "vocab": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch."),
+           "goal_tokens_per_s": SAMPLING_GOAL_TOKENS_PER_S}
+    eager = HFRollout(model, None, device)
+    eager._sample(ids, mask, **{**kw, "max_new_tokens": 2}, generator=torch.Generator(device).manual_seed(1))  # warm
+    sync(device)
+    t0 = time.perf_counter()
+    e_ids, _, e_lp = eager._sample(ids, mask, **kw, generator=torch.Generator(device).manual_seed(0))
+    sync(device)
+    e_s = time.perf_counter() - t0
+    res["eager"] = {"seconds": e_s, "tokens": B * eager_new, "tokens_per_s": B * eager_new / e_s}
+    graphed = GraphedRollout(model, None, device, ignore_eos=True)
+    res["graphed_capture"] = graphed.capture
+    runs = []
+    for _ in range(2):  # the first call builds the cache and captures the step; the second reuses both
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        g_ids, g_mask, g_lp = graphed._sample(ids, mask, **{**kw, "max_new_tokens": new},
+                                              generator=torch.Generator(device).manual_seed(0))
+        sync(device)
+        sec = time.perf_counter() - t0
+        runs.append({"seconds": sec, "tokens": int(g_mask.sum()), "tokens_per_s": int(g_mask.sum()) / sec,
+                     "capture_s": graphed.decoder.capture_s, "peak_mem_gib": peak_mem(device)})
+    res["graphed"] = {"first_call": runs[0], "steady": runs[1], "builds": graphed.builds,
+                      "tokens_per_s": runs[1]["tokens_per_s"], "decode_step_ms": 1e3 * runs[1]["seconds"] / new}
+    res["speedup_vs_eager"] = runs[1]["tokens_per_s"] / res["eager"]["tokens_per_s"]
+    res["agreement"] = _agreement(e_ids, e_lp, g_ids, g_lp)
+    res["behaviour_vs_scorer_max_abs_logp"] = {
+        "eager": _scorer_gap(model, ids, mask, e_ids, e_lp),
+        "graphed": _scorer_gap(model, ids, mask, g_ids, g_lp)}
+    res["goal_met"] = res["graphed"]["tokens_per_s"] >= SAMPLING_GOAL_TOKENS_PER_S if not tiny else None
+    graphed.close()
+    return res
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -388,11 +486,12 @@ def run(device: str, tiny: bool, budget_s: float, only: list[str] | None = None)
     t_all = time.perf_counter()
     # seconds each check needs on an H200 (measured: none yet — estimates with margin); a check starts only
     # when that much budget is left
-    need = {"mfu": 150, "logprob_memory": 40, "handover": 60, "mopd_step": 90}
+    need = {"mfu": 150, "logprob_memory": 40, "handover": 60, "mopd_step": 90, "sampling": 60}
     checks = {"mfu": lambda left: check_mfu(device, tiny, min(left - 20, 150)),
               "logprob_memory": lambda left: check_logprob_memory(device, tiny),
               "handover": lambda left: check_handover(device, tiny),
-              "mopd_step": lambda left: check_mopd_step(device, tiny)}
+              "mopd_step": lambda left: check_mopd_step(device, tiny),
+              "sampling": lambda left: check_sampling(device, tiny)}
     out: dict = {"device": device, "dry_run": tiny, "budget_s": budget_s, "checks": {}}
     if torch.device(device).type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(0)
@@ -423,7 +522,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (the code path only)")
     ap.add_argument("--budget-s", type=float, default=420.0)
-    ap.add_argument("--only", default="", help="comma-separated subset of mfu,logprob_memory,handover,mopd_step")
+    ap.add_argument("--only", default="", help="comma-separated subset of mfu,logprob_memory,handover,mopd_step,"
+                    "sampling")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.dry_run:
