@@ -105,6 +105,9 @@ def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
     assert ho["transport"] == "shared_memory" and ho["bytes"] > 0 and len(ho["runs"]) == 3
     assert all(r["messages"] == ho["buckets"] for r in ho["runs"])
     assert len(ho["steady"]) == 3 and ho["steady_update_s_best"] > 0
+    # the parameters bound to the buckets: nothing re-packed per update, and the receiver holds the sender's bytes
+    assert all(r["bytes_repacked"] == 0 for r in ho["steady"]) and ho["receiver_matches_sender"]
+    assert all(r["bytes_repacked"] == ho["bytes"] for r in ho["steady_foreach_repack"])
     st = checks["mopd_step"]
     assert st["finite"] and st["completion_tokens"] > 0 and math.isfinite(st["loss"])
     sa = checks["sampling"]  # eager HFRollout vs the graphed engine's step run uncaptured: the same tokens
