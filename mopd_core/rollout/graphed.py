@@ -14,9 +14,10 @@ per-call bookkeeping): at the 1.7B shape and batch 128 that host work, not the d
   rather than `torch.compile(mode="reduce-overhead")`: capture costs one step (well under a second), compilation
   of a 28-layer model tens of seconds, and the graph is the same kernels as the eager step.
 - **The mask is passed pre-built, 4-D** (transformers' mask builders return a 4-D mask as it is; from a 2-D one
-  they would test it on the host: a sync, illegal while capturing). With sdpa, decode attention groups each key/value head's query heads as
-  a short query block (`_gqa_decode_sdpa`) instead of transformers' `repeat_kv` copy of the whole cache per layer
-  and step (sdpa's own `enable_gqa` is off once a mask is given); the same sums, grouped.
+  they would test it on the host: a sync, illegal while capturing). With sdpa, decode attention groups each
+  key/value head's query heads as a short query block (`_gqa_decode_sdpa`) instead of transformers' `repeat_kv`
+  copy of the whole cache per layer and step (sdpa's own `enable_gqa` is off once a mask is given); the same
+  sums, grouped.
 - **Sampling stays outside the graph** in `rollout.decode_loop`, the loop `HFRollout` runs: the same draws from the
   same `generator` (one `multinomial` over the batch per step), the same truncation, log-probs, stop ids and
   masks. So for the same seed the samples equal the eager engine's wherever the step's logits are equal: on CPU

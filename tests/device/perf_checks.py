@@ -359,7 +359,6 @@ def _handover_runs(ask, tr, named, model, bucket, repeats, floor, bind_to_bucket
     # the trainer's parameters become views of the buckets; the receiver maps their handles once
     bound = bind_to_buckets(model, bucket)
     params = {n: p for n, p in model.named_parameters()}
-    del packed
     ask(tr.send(bound).message)
     steady = _steady(ask, lambda: refill_buckets(bound, params), repeats)
     with torch.no_grad():  # an optimizer-like in-place update, handed over: the receiver holds the new bytes
