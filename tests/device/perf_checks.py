@@ -266,13 +266,15 @@ def _copy_floor(nbytes: int, device) -> float:
     return min(floors)
 
 
-def _steady(ask, repack, repeats: int) -> list[dict]:
-    """Per-update hand-overs with the receiver's mapping kept: `repack()` (the sender's half: bytes copied) then
-    the receiver's copy into its parameters."""
+def _steady(ask, repack, repeats: int, device) -> list[dict]:
+    """Per-update hand-overs with the receiver's mapping kept: `repack()` (the sender's half: bytes copied; the
+    sender's stream synchronised before the receiver is told, or it could read half-written buckets) then the
+    receiver's copy into its parameters."""
     rows = []
     for _ in range(repeats):
         sync_t0 = time.perf_counter()
         copied = repack()
+        sync(device)
         rep = ask("again")
         rows.append({"update_s": time.perf_counter() - sync_t0, "receive_s": rep["receive_s"],
                      "bytes_repacked": copied})
@@ -354,15 +356,18 @@ def _handover_runs(ask, tr, named, model, bucket, repeats, floor, bind_to_bucket
 
     # (with shared memory — the CPU dry run — send itself writes the segments, so "again" re-reads stale bytes:
     # the loops only exercise the code there)
-    old = _steady(ask, per_tensor, repeats)
-    fused = _steady(ask, lambda: refill_buckets(packed, named), repeats)
+    dev = next(iter(named.values())).device
+    old = _steady(ask, per_tensor, repeats, dev)
+    fused = _steady(ask, lambda: refill_buckets(packed, named), repeats, dev)
     # the trainer's parameters become views of the buckets; the receiver maps their handles once
     bound = bind_to_buckets(model, bucket)
+    sync(dev)
     params = {n: p for n, p in model.named_parameters()}
     ask(tr.send(bound).message)
-    steady = _steady(ask, lambda: refill_buckets(bound, params), repeats)
+    steady = _steady(ask, lambda: refill_buckets(bound, params), repeats, dev)
     with torch.no_grad():  # an optimizer-like in-place update, handed over: the receiver holds the new bytes
         torch._foreach_add_(list(params.values()), 1.0)
+    sync(dev)
     ask("again" if tr.name == "cuda_ipc" else tr.send(bound).message)
     matches = ask("checksum")["checksum"] == _checksum([b.buffer for b in bound.buckets])
     best = min(r["handover_s"] for r in rows)
