@@ -241,16 +241,18 @@ def refill_buckets(packed: PackedBuckets, named_tensors: Mapping[str, torch.Tens
     0 when every tensor is bound, else each byte of the unbound ones once."""
     copied = 0
     for b in packed.buckets:
+        # the bound test is integer arithmetic on addresses: a view per entry would cost more than a bound
+        # update's whole hand-over on a GPU (hundreds of entries)
+        base, esize, dt = b.buffer.data_ptr(), b.buffer.element_size(), b.buffer.dtype
         dst, src = [], []
         for e in b.layout.entries:
-            if e.name not in named_tensors:
+            t = named_tensors.get(e.name)
+            if t is None:
                 raise BucketError(f"no tensor named '{e.name}' to refill its bucket with")
-            view = b.buffer[e.offset:e.offset + e.numel].view(e.shape)
-            t = named_tensors[e.name].detach()
-            if t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.dtype == view.dtype:
+            if t.dtype == dt and t.data_ptr() == base + e.offset * esize:
                 continue  # bound: the parameter lives in the bucket already
-            dst.append(view)
-            src.append(t)
+            dst.append(b.buffer[e.offset:e.offset + e.numel].view(e.shape))
+            src.append(t.detach())
             copied += e.nbytes
         if dst:
             torch._foreach_copy_(dst, src)
@@ -289,9 +291,10 @@ def buckets_bound(packed: PackedBuckets, module: torch.nn.Module) -> bool:
     """Does every parameter of `module` named in `packed` still live in its bucket (`bind_to_buckets`)?"""
     params = dict(module.named_parameters())
     for b in packed.buckets:
+        base, esize = b.buffer.data_ptr(), b.buffer.element_size()
         for e in b.layout.entries:
             p = params.get(e.name)
-            if p is None or p.data_ptr() != b.buffer[e.offset:e.offset + e.numel].data_ptr():
+            if p is None or p.dtype != b.buffer.dtype or p.data_ptr() != base + e.offset * esize:
                 return False
     return True
 
