@@ -130,12 +130,13 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
     backend = getattr(cfg, "backend", "hf")
     if backend == "hf":
         return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
+    if backend == "served":
+        return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
     if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it
         from .graphed import GraphedRollout
 
-        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
-    if backend == "served":
-        return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
+        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat,
+                              ignore_eos=getattr(cfg, "ignore_eos", False))
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)

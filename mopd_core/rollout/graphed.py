@@ -147,7 +147,7 @@ class StaticDecoder:
     replay where `capture`, else the same step run eagerly."""
 
     def __init__(self, model, batch: int, capacity: int, device, capture: bool):
-        impl = getattr(unwrap(model).config, "_attn_implementation", None) or "eager"
+        impl = unwrap(model).config._attn_implementation or "eager"
         if impl not in ("sdpa", "eager"):
             raise PlacementError(f"rollout.backend=hf_graphed needs attn_implementation sdpa or eager, not "
                                  f"'{impl}' — {_FIX}, or load the model with sdpa")
