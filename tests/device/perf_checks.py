@@ -225,7 +225,7 @@ def _receiver(kind: str, conn, device: str) -> None:
                 break
             if isinstance(msg, list):  # layouts: the receiver's own parameters exist before any hand-over
                 own = [allocate(BucketLayout.from_dict(d), device) for d in msg]
-                _sync_dev(device)
+                sync(device)
                 conn.send("ready")
                 continue
             if msg == "checksum":
@@ -236,15 +236,10 @@ def _receiver(kind: str, conn, device: str) -> None:
                 got = make_transport(kind).receive(msg)
             for dst, b in zip(own, got.buckets.buckets):
                 dst.copy_(b.buffer, non_blocking=True)
-            _sync_dev(device)
+            sync(device)
             conn.send({"receive_s": time.perf_counter() - t0})
     except Exception:  # noqa: BLE001 - the parent reports it
         conn.send({"error": traceback.format_exc()[-2000:]})
-
-
-def _sync_dev(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _checksum(buffers) -> int:
