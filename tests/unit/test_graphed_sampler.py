@@ -143,3 +143,60 @@ def test_build_rollout_selects_it_from_the_config():
     eng = build_rollout(recipe, model, tok, "cpu")
     assert isinstance(eng, GraphedRollout) and eng.ignore_eos and not eng.capture
     assert eng.sync_weights(model)["bytes_copied"] == 0
+
+
+def test_capture_graph_warms_up_on_a_side_stream_and_captures_without_the_autocast_cache(monkeypatch):
+    """`runtime.device.capture_graph` against a recording stand-in for `torch.cuda` (graph capture itself needs
+    a GPU): warm-up on a side stream, then one capture inside the device's graph context, with autocast's
+    weight-cast cache off in both (a cached cast would be captured as a stale tensor)."""
+    import contextlib
+
+    from mopd_core.runtime import device as devlib
+
+    log = []
+
+    class FakeCuda:  # a stand-in for the device module: records the calls the capture recipe makes
+        class CUDAGraph:
+            pass
+
+        class Stream:
+            def wait_stream(self, other):
+                log.append("side waits")
+
+        @staticmethod
+        def current_stream():
+            return FakeCuda.Stream()
+
+        @staticmethod
+        @contextlib.contextmanager
+        def stream(s):
+            log.append("on side stream")
+            yield
+            log.append("off side stream")
+
+        @staticmethod
+        def synchronize():
+            log.append("sync")
+
+        @staticmethod
+        @contextlib.contextmanager
+        def graph(g):
+            log.append("capture begins")
+            yield
+            log.append("capture ends")
+
+    monkeypatch.setattr(devlib, "_module", lambda kind: FakeCuda if kind == "cuda" else None)
+    assert devlib.graphs_supported("cuda") and not devlib.graphs_supported("cpu")
+
+    def fn():
+        log.append(("run", torch.is_autocast_cache_enabled()))
+        return torch.ones(2)
+
+    assert torch.is_autocast_cache_enabled()
+    graph, out = devlib.capture_graph("cuda", fn, warmup=2)
+    assert isinstance(graph, FakeCuda.CUDAGraph) and torch.equal(out, torch.ones(2))
+    runs = [i for i, e in enumerate(log) if isinstance(e, tuple)]
+    assert [log[i] for i in runs] == [("run", False)] * 3
+    assert log.index("on side stream") < runs[0] < runs[1] < log.index("off side stream") < log.index("sync") \
+        < log.index("capture begins") < runs[2] < log.index("capture ends")
+    assert torch.is_autocast_cache_enabled()  # restored
