@@ -487,6 +487,7 @@ _PLAN_LOCK = threading.Lock()
 _BWRAP_WORK = "/sandbox"  # a size-capped private tmpfs: cwd, HOME and TMPDIR of the program (/tmp: empty, read-only)
 _BWRAP_RUNNER = "/.mopd/sandbox.py"  # this file, the only part of the checkout bound into the sandbox
 _BWRAP_TMP_MB = 64
+_BWRAP_PATHS = ("/usr/bin/bwrap", "/bin/bwrap")  # besides $PATH (a cleared PATH in services)
 _OPT_OUT = "or opt out per code domain with verifier_args {isolation: none} (no security boundary)"
 _USERNS_FIX = ("bubblewrap needs user namespaces: enable them (sysctl -w user.max_user_namespaces=15000, and "
                "kernel.unprivileged_userns_clone=1 where that sysctl exists; in Docker --security-opt "
@@ -658,8 +659,7 @@ def _probe(plan: _Plan) -> str | None:
 
 
 def _probe_bwrap() -> _Plan:
-    bwrap = shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)),
-                                          None)
+    bwrap = shutil.which("bwrap") or next((p for p in _BWRAP_PATHS if os.access(p, os.X_OK)), None)
     if bwrap is None:
         raise SandboxError("bubblewrap (bwrap) is not installed; model-written code runs inside it: apt-get install "
                            "-y bubblewrap (dnf/apk: bubblewrap), " + _OPT_OUT)
