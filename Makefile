@@ -28,7 +28,7 @@ TORCH_PIP_INDEX := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX),)
 # every install is held to CI's tested set (requirements-ci.lock) and the torch pin (constraints.txt)
 PIN := -c constraints.txt -c requirements-ci.lock
 
-.PHONY: recipe test test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
+.PHONY: recipe test mutants test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
 	venv vllm-venv npu-venv browser-deps sandbox-deps clean services services-stop deploy lint lock bench-sandbox
 
 $(BIN)/.installed: pyproject.toml constraints.txt requirements-ci.lock
@@ -79,6 +79,10 @@ browser-deps:
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	test -d tests/e2e/browser/node_modules/playwright-core || \
 	  (cd tests/e2e/browser && npm install --no-audit --no-fund --silent)
+
+# planted wiring bugs vs the fast learning subset → benchmarks/results/mutants.{json,md} (tests/mutation/)
+mutants: venv
+	$(BIN)/python -m tests.mutation.run
 
 test-unit: venv sandbox-deps
 	$(BIN)/python -m pytest tests/unit -q
