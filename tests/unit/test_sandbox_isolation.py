@@ -74,3 +74,19 @@ def test_default_is_the_bubblewrap_boundary():
     r = sbx.run_sandboxed("print(open('/proc/self/status').read().count('CapEff:\\t0000000000000000'))",
                           audit_hook=False)
     assert r.stdout == "1\n", r  # no capability left in the child
+
+
+def test_recipe_refuses_before_any_stage_and_writes_nothing(fresh_plans, monkeypatch, tmp_path, capsys):
+    from mopd_core.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setattr(sbx, "_BWRAP_PATHS", ())
+    out = tmp_path / "runs"
+    try:
+        rc = main(["recipe", "--config", "real_mini", "--no-progress", "--set", f"output_dir={out}"])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: verifier code_tests cannot run here: bubblewrap (bwrap) is not installed")
+    assert not out.exists()
