@@ -559,8 +559,10 @@ def _bwrap_plan(bwrap: str) -> _Plan:
     if "--disable-userns" in helptext:  # bubblewrap >= 0.8: no nested user namespace (seccomp refuses it too)
         argv.append("--disable-userns")
     argv += _bwrap_system_binds(interpreter)
-    argv += ["--ro-bind", _RUNNER_PATH, _BWRAP_RUNNER, "--proc", "/proc", "--dev", "/dev",
-             "--size", str(_BWRAP_TMP_MB << 20), "--tmpfs", _BWRAP_WORK, "--dir", "/tmp",
+    argv += ["--ro-bind", _RUNNER_PATH, _BWRAP_RUNNER, "--proc", "/proc", "--dev", "/dev"]
+    if "--size" in helptext:  # bubblewrap >= 0.7; older: the work dir's disk use is bounded by time x FSIZE only
+        argv += ["--size", str(_BWRAP_TMP_MB << 20)]
+    argv += ["--tmpfs", _BWRAP_WORK, "--dir", "/tmp",
              "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _BWRAP_WORK, "--clearenv"]
     for k, v in _child_env(_BWRAP_WORK).items():
         argv += ["--setenv", k, v]
