@@ -363,7 +363,8 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     host memory one at a time. `safetensors.torch.load_file` reads the result. Returns the bytes written."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     items, off = [], 0
-    for name, t in tensors.items():
+    # widest dtypes first (as safetensors' own writer): every tensor's bytes start at a multiple of its item size
+    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
         t = t.detach()
         if t.dtype not in _ST_DTYPES:
             raise TransportError(f"tensor '{name}' has dtype {t.dtype}, which safetensors cannot store")
