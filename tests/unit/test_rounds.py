@@ -21,9 +21,9 @@ def cfgs(tmp_path):
 def test_one_round_plan_is_the_single_round_recipe(cfgs):
     one, _ = cfgs
     teachers = {f"teacher.{d}": f"expert:{d}" for d in ("math", "code", "if")}
-    assert [(s.stage, s.inputs) for s in R.stage_plan(one)] == [("sft", {}), ("expert:math", {"init": "sft"}), ("expert:code", {"init": "sft"}),
-                                                                ("expert:if", {"init": "sft"}),
-                                                                ("mopd", {"init": "sft", **teachers})]
+    assert [(s.stage, s.inputs) for s in R.stage_plan(one)] == [
+        ("sft", {}), ("expert:math", {"init": "sft"}), ("expert:code", {"init": "sft"}),
+        ("expert:if", {"init": "sft"}), ("mopd", {"init": "sft", **teachers})]
     assert [s.label for s in R.stage_plan(one)] == ["sft", "expert-math", "expert-code", "expert-if", "student"]
     assert R.last_student_label(one) == "student"
 
