@@ -28,7 +28,6 @@ from .stages import (StageSpec, base_identity, expert_loop_config, model_ref_id,
 from .stages import (TEACHER_RESULT_FIELDS, behaviour_fingerprint_part, data_fingerprint_part,  # noqa: F401
                      expert_fingerprint, last_student_label, mopd_fingerprint, parse_stage, round_dir, round_prefix,
                      sft_fingerprint, stage_dir, stage_label, train_fingerprint_part)
-from .stages.identity import _eval_fp, _expert_fp  # noqa: F401 - the pinned-fingerprint tests read them
 
 log = logging.getLogger("mopd")
 

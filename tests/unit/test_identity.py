@@ -8,6 +8,7 @@ import pytest
 
 from mopd_core import config as C
 from mopd_core import recipe as R
+from mopd_core.stages import identity as S
 from mopd_core.config import load_config
 from mopd_core.train.checkpoint import MODEL_IDENTITY, write_stage
 from tests.conftest import tiny_overrides
@@ -81,7 +82,7 @@ def test_benchmarks_change_only_the_eval_identity_and_a_template_counts_by_conte
         f"[{{name: m, source: {real}, verifier: math_verify}}]}}]", *ov[-3:]])
     for s, ident in _ids(bench).items():
         assert ident.fingerprint == _ids(base)[s].fingerprint, s
-    assert R._eval_fp(bench, {"student": "x"}) != R._eval_fp(base, {"student": "x"})
+    assert S._eval_fp(bench, {"student": "x"}) != S._eval_fp(base, {"student": "x"})
 
     def with_template(path):
         return load_config("tiny", ov + ["model.tiny.chat=true", "data.chat.enabled=true",

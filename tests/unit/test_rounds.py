@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mopd_core import recipe as R
+from mopd_core.stages import identity as S
 from mopd_core.config import load_config
 from mopd_core.errors import ConfigError
 from tests.conftest import tiny_overrides
@@ -63,7 +64,7 @@ def test_round_one_identities_are_unchanged_and_round_two_differs(cfgs):
     other = R.stage_spec(two, "expert:math@r2", {**INPUTS, "init": "stage:zzz:3"})
     assert other.fingerprint != r2.fingerprint
     # engine and orchestrator agree (expert_fingerprint takes the input model, stage_spec its identity)
-    assert R._expert_fp(two, "math", "stage:abc:3", 2) == r2.fingerprint
+    assert S._expert_fp(two, "math", "stage:abc:3", 2) == r2.fingerprint
 
 
 def test_rounds_leave_one_round_dumps_alone_and_bad_values_fail_in_one_line(cfgs, tmp_path):
