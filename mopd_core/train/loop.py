@@ -31,7 +31,7 @@ from ..models.chat import carry_chat_template
 from ..rollout import RolloutBatch
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
-from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
+from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, finished, load_loop_state,
                          read_stage, write_stage)
 from . import kd
 from . import timeline
@@ -42,10 +42,6 @@ from .roles.updater import SHARDED_OPTIMIZER, PolicyTrainer
 from .update import enable_gradient_checkpointing, lr_lambda, policy_update, recompute_behaviour_logp
 
 log = logging.getLogger("mopd")
-
-# Settings that do not change the trajectory of the steps already taken: left out of the stage fingerprint so
-# that raising `steps` continues a finished stage from its last checkpoint instead of starting over.
-TRAJECTORY_FREE = {"steps", "save_every", "eval_every", "keep_checkpoints"}
 
 
 class NonFiniteLossError(TrainingDivergedError):
@@ -172,10 +168,6 @@ def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[s
     return {f"{prefix}/{g}": sum(v) / len(v) for g, v in acc.items()}
 
 
-def _finished(info: dict | None, steps: int) -> bool:
-    return bool(info) and info.get("status") == "done" and info.get("steps") == steps
-
-
 def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
                     domains: Mapping[str, object], eval_domains: Mapping[str, object], stage_dir: str | Path,
                     fingerprint: str, teachers=None, on_step: Callable[[int, dict], None] | None = None,
@@ -186,7 +178,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     closes the trainer when it ends."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
-    if info and info.get("fingerprint") == fingerprint and _finished(info, loop_cfg.steps):
+    if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
     check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
     try:
@@ -218,7 +210,7 @@ def _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage
         teachers.check(tokenizer_fingerprint(tokenizer), list(domains))
     mix = recipe.mix_weights(loop_cfg, _section(loop_cfg), list(domains))
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
-    if _finished(info, loop_cfg.steps):
+    if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
     ckpts = checkpoint_dirs(stage_dir)
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
@@ -397,6 +389,6 @@ def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfi
             engine.close()
 
 
-__all__ = ["LoopResult", "NonFiniteLossError", "PolicyTrainer", "SHARDED_OPTIMIZER", "TRAJECTORY_FREE",
+__all__ = ["LoopResult", "NonFiniteLossError", "PolicyTrainer", "SHARDED_OPTIMIZER",
            "check_loop_config", "check_objective", "enable_gradient_checkpointing", "evaluate_checkpoint", "kd",
            "lr_lambda", "policy_update", "recompute_behaviour_logp", "run_policy_loop", "sample_prompts"]

@@ -12,14 +12,16 @@ Torch only (no transformers/ray at import), so Ray workers and spawned receivers
 """
 
 from .buckets import (DEFAULT_BUCKET_BYTES, Bucket, BucketError, BucketLayout, PackedBuckets, TensorMeta,
-                      as_buckets, buckets_from_layout, pack_buckets, plan_buckets, single_tensor_buckets)
+                      as_buckets, bind_to_buckets, buckets_bound, buckets_from_layout, pack_buckets, plan_buckets,
+                      refill_buckets, single_tensor_buckets)
 from .transports import (CollectiveTransport, CudaIpcTransport, InProcessTransport, Received,
                          SafetensorsTransport, Sent, SharedMemoryTransport, TransferReport, Transport,
                          TransportError, make_transport)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "BucketError", "BucketLayout", "PackedBuckets", "TensorMeta", "as_buckets",
-    "buckets_from_layout", "pack_buckets", "plan_buckets", "single_tensor_buckets",
+    "bind_to_buckets", "buckets_bound", "buckets_from_layout", "pack_buckets", "plan_buckets", "refill_buckets",
+    "single_tensor_buckets",
     "CollectiveTransport", "CudaIpcTransport", "InProcessTransport", "Received", "SafetensorsTransport", "Sent",
     "SharedMemoryTransport", "TransferReport", "Transport", "TransportError", "make_transport",
 ]
