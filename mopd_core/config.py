@@ -348,9 +348,9 @@ class RolloutConfig(_Model):
 
     @model_validator(mode="after")
     def _ignore_eos(self) -> "RolloutConfig":
-        if self.ignore_eos and self.backend != "hf":
-            raise ValueError(f"rollout.ignore_eos=true is implemented for rollout.backend=hf only (got "
-                             f"{self.backend}); set rollout.backend=hf or rollout.ignore_eos=false")
+        if self.ignore_eos and self.backend in ("vllm", "served"):
+            raise ValueError(f"rollout.ignore_eos=true is implemented for the in-process samplers only (got "
+                             f"rollout.backend={self.backend}); set rollout.backend=hf or rollout.ignore_eos=false")
         return self
 
     @property
@@ -442,9 +442,9 @@ class TrainConfig(_Model):
     # identity when on (left out of the dump while off: configs without it keep their fingerprints)
     compile: bool = Field(
         False, exclude_if=lambda v: not v, description="torch.compile each decoder layer of the trained model "
-        "(in place, `models.compile_decoder_layers`: fused norms, rotary, SwiGLU and casts, one graph reused by "
-        "every layer); the first update pays the compilation (tens of seconds), later ones run faster. "
-        "Accelerators only (cuda/npu); ignored on cpu.")
+        "for training (`models.compile_decoder_layers`: fused norms, rotary, SwiGLU and casts, one graph reused by "
+        "every layer; sampling and eval stay eager); the first update pays the compilation (tens of seconds), later "
+        "ones run faster. Accelerators only (cuda/npu); ignored on cpu.")
     fsdp_cpu_offload: bool = Field(
         False, description="runtime.strategy=fsdp2: each rank's parameter, gradient and AdamW shards live in host "
         "memory (torch FSDP2 CPUOffloadPolicy, pinned on GPU/NPU); each unit is gathered to the device for its "

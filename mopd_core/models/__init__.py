@@ -138,21 +138,32 @@ def _same_shape(out: Path, tiny: TinyModelConfig) -> bool:
                                                              or tiny.arch == "llama")
 
 
-def compile_decoder_layers(model, kind: str) -> int:
-    """`torch.compile` every decoder layer of `model` in place (`nn.Module.compile`: parameter names, state dicts
-    and hooks unchanged), the layers being the classes its `_no_split_modules` names — as torchtitan compiles per
-    block: one graph, reused by all layers (their weights are graph inputs), that fuses RMSNorm, rotary, SwiGLU,
-    residual adds and autocast's casts around the matmuls; the layer boundaries keep transformers' gradient
-    checkpointing and FSDP2's units working. Returns the number of layers compiled; 0 on cpu (CI runs eager —
-    inductor's CPU code generation costs more than it saves at tiny widths)."""
-    if kind == "cpu":
+def compile_decoder_layers(model, kind: str, backend: str | None = None) -> int:
+    """`torch.compile` every decoder layer of `model` (the classes its `_no_split_modules` names) for training, as
+    torchtitan compiles per block: one graph, reused by all layers (their weights are graph inputs), fusing RMSNorm,
+    rotary, SwiGLU, residual adds and autocast's casts around the matmuls; the layer boundaries keep transformers'
+    gradient checkpointing and FSDP2's units working. Only in training mode: in eval mode (the rollout engines,
+    evaluation) each layer runs its eager forward, so decode shapes never recompile the graph and a captured
+    sampler captures plain kernels. Parameter names, state dicts and hooks are unchanged (the forward is wrapped on
+    the instance). `backend` None: inductor on accelerators, nothing on cpu (inductor's CPU code costs more than it
+    saves at the CPU presets' widths); tests pass `"eager"` to run the same wrapping on cpu. Returns the layers
+    wrapped."""
+    if backend is None and kind == "cpu":
         return 0
     units = set(getattr(unwrap(model), "_no_split_modules", None) or ())
     n = 0
     for mod in unwrap(model).modules():
-        if type(mod).__name__ in units:
-            mod.compile()  # shapes change between micro-batches: dynamo marks them dynamic after the first change
-            n += 1
+        if type(mod).__name__ not in units:
+            continue
+        eager = mod.forward
+        # shapes change between micro-batches: dynamo marks them dynamic after the first change
+        compiled = torch.compile(eager, backend=backend or "inductor")
+
+        def forward(*args, _eager=eager, _compiled=compiled, _mod=mod, **kwargs):
+            return (_compiled if _mod.training else _eager)(*args, **kwargs)
+
+        mod.forward = forward
+        n += 1
     return n
 
 

@@ -274,3 +274,24 @@ def autocast(kind: str, dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+# ---------------------------------------------------------------- what benchmarks read (tests/device/perf_checks.py)
+
+
+def device_name(kind: str) -> str:
+    """The accelerator's product name (`torch.cuda.get_device_name` / `torch.npu.get_device_name`), or "cpu"."""
+    mod = _module(kind)
+    return mod.get_device_name(current_index(kind)) if mod is not None else "cpu"
+
+
+def allocated_bytes(kind: str) -> int:
+    """Bytes the caching allocator has handed out now on the current device (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.memory_allocated()) if mod is not None else 0
+
+
+def peak_allocated_bytes(kind: str) -> int:
+    """The most bytes handed out since the last `reset_peak_memory_stats` (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.max_memory_allocated()) if mod is not None else 0

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 # The preset at tiny widths (CI, CPU): every section as the preset has it — Qwen3 architecture, chat template,
-# padded vocabulary, ignore_eos, bf16 autocast, chunked log-probs, packed token-budget micro-batches, colocated
+# padded vocabulary, ignore_eos, bf16 autocast, chunked log-probs, token-budget micro-batches, colocated
 # phases — only the widths, lengths and counts shrink.
 TINY = ["runtime.device=cpu", "runtime.num_threads=1", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
         "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128",

@@ -1,7 +1,7 @@
 """The `gpu_scale` preset (a real-size MOPD stage for one accelerator) at tiny widths on the CPU: the same sections
 through the same code — a Qwen3-architecture student and three teachers built locally from different seeds, a
 character tokenizer padded to a fixed vocabulary with a chat template, completions sampled to the full budget past
-EOS (`rollout.ignore_eos`), bf16 autocast, chunked log-probs, packed token-budget micro-batches, colocated phases
+EOS (`rollout.ignore_eos`), bf16 autocast, chunked log-probs, token-budget micro-batches, colocated phases
 with one teacher resident at a time — run by `recipe.mopd_stage` through `tests/device/gpu_scale_stage.py`, the
 driver the device checks run at the real size."""
 
@@ -32,8 +32,8 @@ def test_gpu_scale_preset_runs_a_mopd_stage_at_tiny_widths(tmp_path):
     # ignore_eos: every completion has exactly the budget's length, whatever the random model sampled
     lengths = [v for s in steps for k, v in s.items() if k.startswith("length/")]
     assert lengths and all(v == cfg.rollout.max_new_tokens for v in lengths)
-    # packed micro-batches under the token budget: no padding computed, more than one micro-batch a step
-    assert all(s["perf/pad_frac"] == 0.0 and s["perf/micro_batches"] >= 2 for s in steps)
+    # micro-batches under the token budget, each cut to its own longest row: only the prompts' few pads computed
+    assert all(s["perf/pad_frac"] < 0.1 and s["perf/micro_batches"] >= 2 for s in steps)
     run = cfg.run_dir()
     built = json.loads((run / "base" / "config.json").read_text())
     assert built["model_type"] == "qwen3" and built["vocab_size"] == 4096 and built["tie_word_embeddings"]
