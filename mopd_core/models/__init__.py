@@ -113,15 +113,18 @@ def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, pad_id: int, eos_id
     return model
 
 
-def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, device: torch.device | str | None = None) -> Path:
+def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, device: torch.device | str | None = None,
+               tokenizer=None) -> Path:
     """Build and save the locally built base model + tokenizer (idempotent for the same config; `device`: where
-    the weights are initialised, `build_tiny_model`)."""
+    the weights are initialised, `build_tiny_model`; `tokenizer`: one `build_tiny_tokenizer` already built for
+    `cfg` — a padded real-size vocabulary takes seconds to build — else built here)."""
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         # a dir built with another tokenizer variant (model.tiny.chat flipped) or shape is rebuilt, not reused
         if (IM_END in (out / "tokenizer.json").read_text()) == cfg.tiny.chat and _same_shape(out, cfg.tiny):
             return out
-    tok = build_tiny_tokenizer(chat=cfg.tiny.chat, vocab_size=cfg.tiny.vocab_size)
+    tok = tokenizer if tokenizer is not None else build_tiny_tokenizer(chat=cfg.tiny.chat,
+                                                                        vocab_size=cfg.tiny.vocab_size)
     model = build_tiny_model(cfg.tiny, len(tok), tok.pad_token_id, tok.eos_token_id, seed, device)
     save_pretrained(model.to(getattr(torch, cfg.tiny.save_dtype)), tok, out)
     return out

@@ -34,11 +34,14 @@ def build_models(recipe, device=None) -> tuple[Path, dict[str, Path]]:
     """The student (`<run_dir>/base`, seed `recipe.seed`) and a teacher per expert domain
     (`<run_dir>/teacher-<domain>`, seeds `recipe.seed + 1 + i`), built at `model.tiny`'s shape (reused when
     already there)."""
-    from mopd_core.models import build_tiny
+    from mopd_core.models import build_tiny, build_tiny_tokenizer
 
     run = recipe.run_dir()
-    base = build_tiny(recipe.model, run / "base", seed=recipe.seed, device=device)
-    teachers = {d: build_tiny(recipe.model, run / f"teacher-{d}", seed=recipe.seed + 1 + i, device=device)
+    t = recipe.model.tiny
+    tok = build_tiny_tokenizer(chat=t.chat, vocab_size=t.vocab_size)  # once for all four
+    base = build_tiny(recipe.model, run / "base", seed=recipe.seed, device=device, tokenizer=tok)
+    teachers = {d: build_tiny(recipe.model, run / f"teacher-{d}", seed=recipe.seed + 1 + i, device=device,
+                              tokenizer=tok)
                 for i, d in enumerate(recipe.expert_domains())}
     return base, teachers
 

@@ -90,22 +90,24 @@ def _f(x, nd: int = 1, unit: str = "") -> str:
 
 
 def _stage_md(st: dict) -> list[str]:
-    out = [f"### MOPD stage at real size (`configs/gpu_scale.yaml` through `recipe.mopd_stage`)", "",
+    out = ["### MOPD stage at real size (`configs/gpu_scale.yaml` through `recipe.mopd_stage`)", "",
            f"{st.get('params', 0) / 1e9:.2f} B parameters, {st.get('prompts')} prompts × {st.get('group')} samples × "
-           f"{st.get('max_new_tokens')} new tokens, rollout `{st.get('rollout_backend')}`; build {_f(st.get('build_s'))} s, "
-           f"stage {_f(st.get('stage_s'))} s (of which load/eval/save {_f(st.get('stage_other_s'))} s)."
-           + (f" **{st['note']}**" if st.get("note") else ""), "",
-           "| step | rollout s | score s | train s | step s | rollout tok/s | train tok/s |", "|---|---|---|---|---|---|---|"]
+           f"{st.get('max_new_tokens')} new tokens, rollout `{st.get('rollout_backend')}`; build "
+           f"{_f(st.get('build_s'))} s, stage {_f(st.get('stage_s'))} s (of which load/eval/save "
+           f"{_f(st.get('stage_other_s'))} s)." + (f" **{st['note']}**" if st.get("note") else ""), "",
+           "| step | rollout s | score s | train s | step s | rollout tok/s | train tok/s |",
+           "|---|---|---|---|---|---|---|"]
     for s in st.get("steps", []):
         out.append(f"| {s['step']} | {_f(s['perf/rollout_s'], 2)} | {_f(s['perf/score_s'], 2)} | "
-                   f"{_f(s['perf/train_s'], 2)} | {_f(s['perf/step_s'], 2)} | {_f(s['perf/rollout_tokens_per_s'], 0)} | "
-                   f"{_f(s['perf/train_tokens_per_s'], 0)} |")
+                   f"{_f(s['perf/train_s'], 2)} | {_f(s['perf/step_s'], 2)} | "
+                   f"{_f(s['perf/rollout_tokens_per_s'], 0)} | {_f(s['perf/train_tokens_per_s'], 0)} |")
     est, meas = st.get("estimate_mib", {}), st.get("phases_measured_mib", {})
     out += ["", "| phase | measured peak GiB | pre-flight estimate GiB | + KV cache / teacher forward GiB | "
             "measured ÷ estimate |", "|---|---|---|---|---|"]
     for p in ("rollout", "score", "train"):
         m = (meas.get(p) or {}).get("peak_mib")
-        out.append(f"| {p} | {_f(m / 1024 if m else None, 1)} | {_f(est.get('preflight', {}).get(p, 0) / 1024, 1)} | "
+        out.append(f"| {p} | {_f(m / 1024 if m else None, 1)} | "
+                   f"{_f(est.get('preflight', {}).get(p, 0) / 1024, 1)} | "
                    f"{_f(est.get('with_kv_and_scoring', {}).get(p, 0) / 1024, 1)} | "
                    f"{_f((st.get('peak_over_estimate') or {}).get(p), 2)} |")
     return out + [""]
@@ -122,8 +124,9 @@ def _mfu_md(m: dict) -> list[str]:
         if "skipped" in r:
             out.append(f"| {r['seq']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
-        out.append(f"| {r['seq']:,} | {r['rows']} | {r['compiled']} | {r['checkpointing']} | {_f(r['step_s_median'], 3)} | "
-                   f"{_f(r['tokens_per_s'], 0)} | {_f(r['achieved_tflops'], 0)} | {_f(r.get('mfu'), 3)} | "
+        out.append(f"| {r['seq']:,} | {r['rows']} | {r['compiled']} | {r['checkpointing']} | "
+                   f"{_f(r['step_s_median'], 3)} | {_f(r['tokens_per_s'], 0)} | {_f(r['achieved_tflops'], 0)} | "
+                   f"{_f(r.get('mfu'), 3)} | "
                    f"{_f(r.get('mfu_vs_measured_matmul'), 3)} | {_f(r.get('peak_mem_gib'), 1)} |")
     return out + [""]
 
@@ -132,8 +135,8 @@ def _trl_md(t: dict, st: dict | None) -> list[str]:
     out = ["### TRL `DistillationTrainer` on the same device", ""]
     if "skipped" in t:
         return out + [t["skipped"], ""]
-    out.append(f"trl {t.get('trl')}, use_vllm=False, gradient checkpointing, bf16 {t.get('bf16')}, liger {t.get('liger')}, β = 1; "
-               f"{t.get('size')}." + (f" **{t['oom']}**" if t.get("oom") else ""))
+    out.append(f"trl {t.get('trl')}, use_vllm=False, gradient checkpointing, bf16 {t.get('bf16')}, liger "
+               f"{t.get('liger')}, β = 1; {t.get('size')}." + (f" **{t['oom']}**" if t.get("oom") else ""))
     out += ["", "| trainer | new tokens | s/step | generation s | teacher s | update s | tokens/s | peak GiB |",
             "|---|---|---|---|---|---|---|---|"]
     if t.get("steps"):
@@ -161,7 +164,8 @@ def markdown(res: dict) -> str:
                                                                      else ""), "",
              f"Tests: {res['counts']}", "", "| file | test | outcome | s |", "|---|---|---|---|"]
     for t in res["tests"]:
-        lines.append(f"| {t['file']} | {t['test']} | {t['outcome']}{': ' + t['detail'][:120].replace('|', '/') if t.get('detail') and t['outcome'] != 'passed' else ''} | {t['seconds']} |")
+        why = f": {t['detail'][:120].replace('|', '/')}" if t.get("detail") and t["outcome"] != "passed" else ""
+        lines.append(f"| {t['file']} | {t['test']} | {t['outcome']}{why} | {t['seconds']} |")
     lines.append("")
     checks = (res.get("perf") or {}).get("checks", {})
     st = checks.get("stage")
