@@ -444,7 +444,7 @@ class TrainConfig(_Model):
         False, exclude_if=lambda v: not v, description="torch.compile each decoder layer of the trained model "
         "for training (`models.compile_decoder_layers`: fused norms, rotary, SwiGLU and casts, one graph reused by "
         "every layer; sampling and eval stay eager); the first update pays the compilation (tens of seconds), later "
-        "ones run faster. Accelerators only (cuda/npu); ignored on cpu.")
+        "ones run faster. CUDA (inductor); ignored on cpu and npu (runtime.device.compile_backend).")
     fsdp_cpu_offload: bool = Field(
         False, description="runtime.strategy=fsdp2: each rank's parameter, gradient and AdamW shards live in host "
         "memory (torch FSDP2 CPUOffloadPolicy, pinned on GPU/NPU); each unit is gathered to the device for its "

@@ -148,10 +148,12 @@ def compile_decoder_layers(model, kind: str, backend: str | None = None) -> int:
     gradient checkpointing and FSDP2's units working. Only in training mode: in eval mode (the rollout engines,
     evaluation) each layer runs its eager forward, so decode shapes never recompile the graph and a captured
     sampler captures plain kernels. Parameter names, state dicts and hooks are unchanged (the forward is wrapped on
-    the instance). `backend` None: inductor on accelerators, nothing on cpu (inductor's CPU code costs more than it
-    saves at the CPU presets' widths); tests pass `"eager"` to run the same wrapping on cpu. Returns the layers
-    wrapped."""
-    if backend is None and kind == "cpu":
+    the instance). `backend` None: the device's (`runtime.device.compile_backend`: inductor on cuda, nothing on cpu
+    or npu); tests pass `"eager"` to run the same wrapping on cpu. Returns the layers wrapped."""
+    from ..runtime.device import compile_backend
+
+    backend = backend or compile_backend(kind)
+    if backend is None:
         return 0
     units = set(getattr(unwrap(model), "_no_split_modules", None) or ())
     n = 0
@@ -160,7 +162,7 @@ def compile_decoder_layers(model, kind: str, backend: str | None = None) -> int:
             continue
         eager = mod.forward
         # shapes change between micro-batches: dynamo marks them dynamic after the first change
-        compiled = torch.compile(eager, backend=backend or "inductor")
+        compiled = torch.compile(eager, backend=backend)
 
         def forward(*args, _eager=eager, _compiled=compiled, _mod=mod, **kwargs):
             return (_compiled if _mod.training else _eager)(*args, **kwargs)

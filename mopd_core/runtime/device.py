@@ -295,3 +295,10 @@ def peak_allocated_bytes(kind: str) -> int:
     """The most bytes handed out since the last `reset_peak_memory_stats` (0 on cpu)."""
     mod = _module(kind)
     return int(mod.max_memory_allocated()) if mod is not None else 0
+
+
+def compile_backend(kind: str) -> str | None:
+    """The `torch.compile` backend for training on `kind`: inductor on cuda; None (do not compile) on cpu, where
+    inductor's generated code costs more than it saves at the CPU presets' widths, and on npu, where inductor needs
+    torch_npu's own backend support (pass one explicitly to `models.compile_decoder_layers` there)."""
+    return "inductor" if kind == "cuda" else None

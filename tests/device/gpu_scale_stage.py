@@ -49,8 +49,10 @@ def build_models(recipe, device=None) -> tuple[Path, dict[str, Path]]:
 def estimate_mib(recipe, n_params: int) -> dict[str, dict[str, float]]:
     """Per phase (MiB): `preflight` = what `check_colocated_fit` returns with the pre-flight's arguments (float32
     master weights + gradients + AdamW, one micro-batch's activations, bf16 teachers one at a time);
-    `with_kv_and_scoring` = the same plus the HF sampler's preallocated KV cache (rollout) and a teacher's
-    transient forward over the batch (score)."""
+    `with_kv_and_scoring` = the same plus what those leave out: the HF sampler's preallocated KV cache (rollout), a
+    teacher's transient forward over the batch (score), and autocast's bf16 copy of the float32 weights, which
+    autocast keeps for as long as its context lasts (the update; the eager sampler — a captured one casts inside
+    its graph)."""
     from mopd_core import preflight
     from mopd_core.runtime.phases import check_colocated_fit, forward_activation_bytes, kv_cache_bytes
 
@@ -63,12 +65,17 @@ def estimate_mib(recipe, n_params: int) -> dict[str, dict[str, float]]:
                   activations=preflight.update_activation_bytes(recipe, "student", shape))
     rows = m.prompts_per_step * m.group_size
     kv_dim = (t.num_kv_heads or t.num_heads) * (t.hidden_size // t.num_heads)
-    extra = dict(sampling=kv_cache_bytes(rows, recipe.max_seq_len(), t.num_layers, kv_dim, b),
-                 scoring=forward_activation_bytes(rows * recipe.max_seq_len(), t.hidden_size, t.intermediate_size, b))
+    cast = n_params * b if recipe.runtime.dtype != "float32" else 0
+    terms = {"kv_cache": kv_cache_bytes(rows, recipe.max_seq_len(), t.num_layers, kv_dim, b),
+             "teacher_forward": forward_activation_bytes(rows * recipe.max_seq_len(), t.hidden_size,
+                                                         t.intermediate_size, b),
+             "autocast_weight_copy": cast, "activations": common["activations"], "student_fp32": n_params * 4}
+    more = dict(common, activations=common["activations"] + cast,
+                sampling=terms["kv_cache"] + (cast if recipe.rollout.backend == "hf" else 0),
+                scoring=terms["teacher_forward"])
     return {"preflight": _phase_keys(check_colocated_fit(**common)),
-            "with_kv_and_scoring": _phase_keys(check_colocated_fit(**common, **extra)),
-            "terms_mib": {k: v / 2**20 for k, v in {**extra, "activations": common["activations"],
-                                                      "student_fp32": n_params * 4}.items()}}
+            "with_kv_and_scoring": _phase_keys(check_colocated_fit(**more)),
+            "terms_mib": {k: v / 2**20 for k, v in terms.items()}}
 
 
 def _phase_keys(need: dict[str, float]) -> dict[str, float]:
