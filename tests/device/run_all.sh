@@ -41,7 +41,10 @@ t_all=$(date +%s)
 
 # carried wheels (tests/device/fetch_wheels.sh downloads them into .whl/ here): a bare accelerator image lacks
 # pydantic, trl, datasets …; installed into a private folder, nothing of the image changed
-if compgen -G ".whl/*.whl" >/dev/null; then
+PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if compgen -G ".whl/*.whl" >/dev/null && [ "$PYVER" != 3.12 ]; then
+  echo "-- .whl/ holds wheels for Python 3.12 (tests/device/fetch_wheels.sh); this is $PYVER: not installed"
+elif compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMP/site" .whl/*.whl \
     || { echo "!! installing the carried wheels failed"; exit 2; }
   export PYTHONPATH="$TMP/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,7 +54,7 @@ t_install=$(( $(date +%s) - t_all ))
 RUN_PERF=${SKIP_PERF:+0}; RUN_PERF=${RUN_PERF:-1}
 if [ "$#" -eq 1 ] && [ "$1" = perf ]; then FILES=(); RUN_PERF=1
 elif [ "$#" -eq 1 ] && [ "$1" = quick ]; then  # the files new or changed since the last GPU run (81997e3), + perf
-  FILES=(test_device_layer.py test_fsdp2.py test_colocated_offload.py)
+  FILES=(test_device_layer.py test_cuda_ipc.py test_fsdp2.py test_colocated_offload.py test_graphed_sampler.py)
 elif [ "$#" -gt 0 ]; then FILES=("$@"); RUN_PERF=0; else
   FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_fsdp2.py test_colocated_offload.py
          test_vllm_rollout.py test_vllm_ipc.py test_colocated_step.py test_async_benchmark.py)
@@ -61,6 +64,7 @@ rc=0
 t_tests=$(date +%s)
 for f in "${FILES[@]+"${FILES[@]}"}"; do
   f=$(basename "$f")
+  [ -f "tests/device/$f" ] || { echo "-- tests/device/$f: not in this checkout"; continue; }
   echo "== tests/device/$f ($(( $(date +%s) - t_all )) s in)"
   timeout -k 20 "$FILE_TIMEOUT" "$PY" -m pytest "tests/device/$f" -m device -q -rs -p no:cacheprovider \
     --junitxml="$TMP/${f%.py}.xml" -o junit_family=xunit2
