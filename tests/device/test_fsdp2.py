@@ -56,14 +56,17 @@ def _update(path, info, batch, shard: bool, dtype: str = "float32", cpu_offload:
     from mopd_core.distributed.cluster import fully_shard_model
     from mopd_core.models import load_model
     from mopd_core.runtime import device as devlib
-    from mopd_core.train.loop import lr_lambda, policy_update
+    try:  # the loop's update, wherever the roles split puts it
+        from mopd_core.train.update import policy_update
+    except ImportError:
+        from mopd_core.train.loop import policy_update
 
     dev = info.torch_device
     model = load_model(path, dev, "float32").train()
     if shard:
         fully_shard_model(model, dist.group.WORLD, info.kind, dtype, cpu_offload=cpu_offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)  # no warm-up
     mask = batch.completion_mask.float()
     adv = grpo_advantages(torch.tensor([1.0, 0.0] * 8, device=dev), 2)[:, None] * mask
     devlib.synchronize(info.kind)
