@@ -216,48 +216,67 @@ def mfu_run(model, device, cfg, rows: int, seq: int, steps: int, warm: int, budg
     return res
 
 
+def _mfu_lengths(model, device, cfg, plan, compiled: bool, budget_s: float, t_all: float, tiny: bool) -> list[dict]:
+    """One `mfu_run` per (rows, seq, token budget) of `plan` while the check's budget lasts; a length that runs out
+    of memory is run again with gradient checkpointing (`checkpointing: true` in its row)."""
+    from mopd_core.runtime import device as devlib
+
+    steps, warm = (3, 1) if not tiny else (1, 1)
+    runs = []
+    for rows, seq, budget_tok in plan:
+        left = budget_s - (time.perf_counter() - t_all)
+        if left < (45 if not tiny else 0):
+            runs.append({"seq": seq, "skipped": f"{left:.0f} s of the check's budget left"})
+            continue
+        try:
+            runs.append({**mfu_run(model, device, cfg, rows, seq, steps, warm, left, budget_tok),
+                         "compiled": compiled, "checkpointing": False})
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            devlib.empty_cache(_kind(device))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            runs.append({**mfu_run(model, device, cfg, rows, seq, steps, warm, left, budget_tok),
+                         "compiled": compiled, "checkpointing": True})
+            model.gradient_checkpointing_disable()
+    return runs
+
+
 def check_mfu(device, tiny: bool, budget_s: float) -> dict:
     """The 1.7B-shaped train step through the loop's own `policy_update` (chunked log-probs, token-budget
     micro-batches, PPO loss, grad clip, AdamW step) on float32 master weights under bf16 autocast — as
     run_policy_loop runs it — with the decoder layers compiled for training (`models.compile_decoder_layers`, what
     `train.compile` asks for), at 4,096 and at 16,384 tokens per sequence; then, budget permitting, the eager
-    update at 4,096 for the compiled layers' gain. A length that runs out of memory is retried with gradient
-    checkpointing (`checkpointing: true` in its row)."""
+    update at 4,096 for the compiled layers' gain. Should compiling fail, the error is reported and both lengths
+    run eager."""
     from mopd_core.models import compile_decoder_layers
     from mopd_core.runtime import device as devlib
 
     cfg = qwen3_1p7b(tiny=tiny)
     kind = _kind(device)
     t_all = time.perf_counter()
-    model = build(cfg, device, torch.float32)  # float32 master weights, as the loop loads them
-    model.train()
+    model = build(cfg, device, torch.float32).train()  # float32 master weights, as the loop loads them
     n_total = sum(p.numel() for p in model.parameters())
     compiled = compile_decoder_layers(model, kind, backend=None if not tiny else "eager")
     # (rows, seq, token budget of one micro-batch): 16k tokens a forward at both lengths
     plan = [(4, 4096, 16384), (2, 16384, 16384)] if not tiny else [(2, 32, 64), (1, 64, 64)]
-    steps, warm = (3, 1) if not tiny else (1, 1)
-    runs = []
-    for rows, seq, budget_tok in plan:
-        left = budget_s - (time.perf_counter() - t_all)
-        if left < (60 if not tiny else 0):
-            runs.append({"seq": seq, "skipped": f"{left:.0f} s of the check's budget left"})
-            continue
-        try:
-            runs.append({**mfu_run(model, device, cfg, rows, seq, steps, warm, left, budget_tok),
-                         "compiled": compiled > 0, "checkpointing": False})
-        except torch.OutOfMemoryError:
-            devlib.empty_cache(kind)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            runs.append({**mfu_run(model, device, cfg, rows, seq, steps, warm, left, budget_tok),
-                         "compiled": compiled > 0, "checkpointing": True})
-            model.gradient_checkpointing_disable()
+    compile_error = None
+    try:
+        runs = _mfu_lengths(model, device, cfg, plan, compiled > 0, budget_s, t_all, tiny)
+    except Exception as e:  # noqa: BLE001 - a compiler failure must not cost the eager figures
+        if not compiled:
+            raise
+        compile_error = f"{type(e).__name__}: {str(e)[:500]}"
+        del model
+        devlib.empty_cache(kind)
+        model = build(cfg, device, torch.float32).train()
+        runs = _mfu_lengths(model, device, cfg, plan, False, budget_s, t_all, tiny)
+        compiled = 0
     if compiled and budget_s - (time.perf_counter() - t_all) > 30:  # the same update, eager layers
         del model
         devlib.empty_cache(kind)
-        eager = build(cfg, device, torch.float32).train()
-        runs.append({**mfu_run(eager, device, cfg, *plan[0][:2], steps, warm, 60, plan[0][2]), "compiled": False,
-                     "checkpointing": False})
-        del eager
+        model = build(cfg, device, torch.float32).train()
+        runs += _mfu_lengths(model, device, cfg, plan[:1], False, budget_s, t_all, tiny)
+    del model
     meas = measured_matmul_tflops(device, 8192 if not tiny else 64, torch.bfloat16 if not tiny else torch.float32)
     for r in runs:
         if "achieved_tflops" in r:
@@ -266,9 +285,9 @@ def check_mfu(device, tiny: bool, budget_s: float) -> dict:
     return {"config": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "params_total": n_total, "params_matmul": model_flops_per_token(cfg, 1)[1],
             "master_dtype": "float32", "compute_dtype": "bfloat16" if not tiny else "float32",
-            "layers_compiled": compiled, "flops_convention": "6N + 12·L·q·seq (PaLM)",
-            "device_peak_tflops": device_peak_tflops(device), "measured_matmul_tflops": meas, "runs": runs,
-            "goal_mfu": MFU_GOAL,
+            "layers_compiled": compiled, **({"compile_error": compile_error} if compile_error else {}),
+            "flops_convention": "6N + 12·L·q·seq (PaLM)", "device_peak_tflops": device_peak_tflops(device),
+            "measured_matmul_tflops": meas, "runs": runs, "goal_mfu": MFU_GOAL,
             "goal_met": None if kind == "cpu" or len(best) < 2 else all(v >= MFU_GOAL for v in best.values())}
 
 
@@ -661,11 +680,12 @@ def check_trl(device, tiny: bool, budget_s: float) -> dict:
 
 # (name, seconds a check needs to start on an H200, its own cap) in run order: the new checks first. Estimates
 # with margin, measured at none yet; a check starts only when `need` is left of the whole budget.
-PLAN = [("stage", 120, 240), ("mfu", 90, 120), ("trl", 50, 90), ("logprob_memory", 20, 40),
+PLAN = [("stage", 120, 240), ("mfu", 90, 130), ("trl", 45, 90), ("logprob_memory", 20, 40),
         ("handover", 40, 60), ("mopd_step", 60, 90)]
 
 
-def run(device: str, tiny: bool, budget_s: float, only: list[str] | None = None) -> dict:
+def run(device: str, tiny: bool, budget_s: float, only: list[str] | None = None,
+        out_path: str | None = None) -> dict:
     import gc
 
     from mopd_core.runtime import device as devlib
@@ -697,6 +717,8 @@ def run(device: str, tiny: bool, budget_s: float, only: list[str] | None = None)
                                    "wall_s": time.perf_counter() - t0}
         gc.collect()
         devlib.empty_cache(kind)
+        if out_path is not None:  # after every check: a run killed later keeps what finished
+            Path(out_path).write_text(json.dumps({**out, "partial": True}, indent=1, default=str) + "\n")
         print(f"[perf_checks] {name} ({time.perf_counter() - t0:.0f} s): "
               f"{json.dumps(out['checks'][name], default=str)[:600]}", flush=True)
     out["wall_s"] = time.perf_counter() - t_all
@@ -722,8 +744,8 @@ def main(argv=None) -> int:
         print("[perf_checks] no accelerator: nothing measured (use --dry-run for the CPU code path)")
         Path(args.out).write_text(json.dumps({"skipped": "no accelerator"}) + "\n")
         return 0
-    res = run(device, args.dry_run, args.budget_s, [x for x in args.only.split(",") if x] or None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    res = run(device, args.dry_run, args.budget_s, [x for x in args.only.split(",") if x] or None, args.out)
     Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0 if res["ok"] else 1
 
