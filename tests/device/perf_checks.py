@@ -550,13 +550,13 @@ def check_stage(device, tiny: bool) -> dict:
     over = [f"output_dir={where}"]
     fast = fast_rollout_backend()
     note = None
+    if fast is not None:  # the dry run too: the same engine, uncaptured on the CPU
+        over.append(f"rollout.backend={fast}")
     if tiny:
         over = TINY + over
     else:
         over.append(f"runtime.device={_kind(device)}")
-        if fast is not None:
-            over.append(f"rollout.backend={fast}")
-        else:
+        if fast is None:
             over.append(f"rollout.max_new_tokens={EAGER_FALLBACK_NEW_TOKENS}")
             note = (f"rollout.backend=hf (no captured sampler in this checkout): completions capped at "
                     f"{EAGER_FALLBACK_NEW_TOKENS} tokens to fit the device call")
