@@ -86,3 +86,16 @@ def test_hf_engine_samples_past_eos_only_when_asked():
     assert out[True].completion_mask.sum(1).tolist() == [5, 5, 5]
     # the same draws: the ignoring engine's first token is the one the other stopped on
     assert torch.equal(out[True].completion_ids[:, 0], out[False].completion_ids[:, 0])
+
+
+def test_built_model_dir_is_rebuilt_when_the_shape_changes(tmp_path):
+    from mopd_core.config import ModelConfig
+    from mopd_core.models import build_tiny
+
+    small = ModelConfig(tiny={"hidden_size": 64, "num_layers": 1, "num_heads": 2, "arch": "qwen3"})
+    out = build_tiny(small, tmp_path / "m")
+    first = (out / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny(small, tmp_path / "m") == out and (out / "model.safetensors").stat().st_mtime_ns == first
+    wider = small.model_copy(update={"tiny": small.tiny.model_copy(update={"hidden_size": 128})})
+    build_tiny(wider, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 128
