@@ -112,9 +112,15 @@ def run_stage(recipe, device=None) -> dict:
     base, teachers = build_models(recipe, device)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    out = R.mopd_stage(recipe, base, teachers, progress=False)
+    stage_dir, error = recipe.run_dir() / "student", None
+    try:
+        stage_dir = R.mopd_stage(recipe, base, teachers, progress=False).stage_dir
+    except Exception as e:  # noqa: BLE001 - e.g. a full disk at the final save: the steps' figures are on disk
+        if not (stage_dir / "metrics.jsonl").exists():
+            raise
+        error = f"{type(e).__name__}: {str(e)[:300]}"
     stage_s = time.perf_counter() - t1
-    rows = [json.loads(x) for x in (out.stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keys = ("step", "perf/rollout_s", "perf/score_s", "perf/train_s", "perf/step_s", "perf/rollout_tokens_per_s",
             "perf/train_tokens_per_s", "perf/micro_batches", "perf/pad_frac", "loss", "grad_norm", "adv/kd_mean")
     steps = [{**{k: r.get(k) for k in keys}, **{k: v for k, v in r.items() if k.startswith("length/")}}
@@ -122,7 +128,7 @@ def run_stage(recipe, device=None) -> dict:
     with torch.device("meta"):
         n = num_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base))))
     est = estimate_mib(recipe, n)
-    meas = measured_phases(out.stage_dir)
+    meas = measured_phases(stage_dir)
     ratios = {p: (meas[p]["peak_mib"] / est["with_kv_and_scoring"][p]
                   if p in meas and meas[p]["peak_mib"] and est["with_kv_and_scoring"].get(p) else None)
               for p in ("rollout", "score", "train")}
@@ -131,4 +137,4 @@ def run_stage(recipe, device=None) -> dict:
             "phases_measured_mib": meas, "estimate_mib": est, "peak_over_estimate": ratios,
             "within_25pct": {p: (None if r is None else abs(r - 1) <= 0.25) for p, r in ratios.items()},
             "build_s": build_s, "stage_s": stage_s, "stage_other_s": stage_s - loop_s,
-            "stage_dir": str(out.stage_dir)}
+            "stage_dir": str(stage_dir), **({"stage_error": error} if error else {})}

@@ -523,16 +523,15 @@ def fast_rollout_backend() -> str | None:
 
 
 def scratch_dir(need_gib: float) -> Path:
-    """A fresh folder on a disk with `need_gib` free (GPU_SCALE_DIR, /dev/shm, the temp dir, in that order; the
-    last one whatever it has)."""
+    """A fresh folder on the first of GPU_SCALE_DIR, /dev/shm, the temp dir with `need_gib` free, else on the one
+    with the most free space."""
     import shutil
     import tempfile
 
-    cands = [os.environ.get("GPU_SCALE_DIR"), "/dev/shm", tempfile.gettempdir()]
-    for c in [c for c in cands if c and Path(c).is_dir()]:
-        if shutil.disk_usage(c).free / 2**30 >= need_gib or c == cands[-1]:
-            return Path(tempfile.mkdtemp(prefix="mopd-gpu-scale-", dir=c))
-    return Path(tempfile.mkdtemp(prefix="mopd-gpu-scale-"))
+    cands = [c for c in (os.environ.get("GPU_SCALE_DIR"), "/dev/shm", tempfile.gettempdir()) if c and Path(c).is_dir()]
+    free = {c: shutil.disk_usage(c).free / 2**30 for c in cands}
+    pick = next((c for c in cands if free[c] >= need_gib), max(cands, key=free.get))
+    return Path(tempfile.mkdtemp(prefix="mopd-gpu-scale-", dir=pick))
 
 
 def check_stage(device, tiny: bool) -> dict:
