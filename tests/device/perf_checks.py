@@ -507,6 +507,8 @@ def check_mopd_step(device, tiny: bool) -> dict:
 
 # ---------------------------------------------------------------- 5. the gpu_scale preset's MOPD stage
 
+from gpu_scale_stage import TINY as TINY_STAGE  # noqa: E402 - tests/device is on sys.path (above)
+
 # without the captured sampler (rollout.backend=hf_graphed) the eager one samples the stage's 2,048 tokens far too
 # slowly for one device call: the preset then runs with this budget, and says so
 EAGER_FALLBACK_NEW_TOKENS = 256
@@ -534,40 +536,53 @@ def scratch_dir(need_gib: float) -> Path:
     return Path(tempfile.mkdtemp(prefix="mopd-gpu-scale-", dir=pick))
 
 
+def _stage_overrides(device, tiny: bool, where: Path, fast: str | None) -> tuple[list[str], str | None]:
+    """The preset's overrides for this run: where it writes, the device, the sampler — `fast` (also in the dry run:
+    the same engine, uncaptured on the CPU), else the eager one capped at EAGER_FALLBACK_NEW_TOKENS (the note says
+    so)."""
+    over, note = [f"output_dir={where}"], None
+    if fast is not None:
+        over.append(f"rollout.backend={fast}")
+    if tiny:
+        return TINY_STAGE + over, None
+    over.append(f"runtime.device={_kind(device)}")
+    if fast is None:
+        over.append(f"rollout.max_new_tokens={EAGER_FALLBACK_NEW_TOKENS}")
+        note = (f"rollout.backend=hf (no captured sampler here, or it failed): completions capped at "
+                f"{EAGER_FALLBACK_NEW_TOKENS} tokens to fit the device call")
+    return over, note
+
+
 def check_stage(device, tiny: bool) -> dict:
     """`configs/gpu_scale.yaml` through `recipe.mopd_stage` (tests/device/gpu_scale_stage.py): the Qwen3-1.7B-shaped
     student and three teachers built on the device, 2 steps of 8 prompts × 4 samples × 2,048 tokens, per phase
-    seconds and peak memory beside the pre-flight's estimate. The fastest in-process sampler this checkout has;
-    with only the eager one, completions of EAGER_FALLBACK_NEW_TOKENS (named in the result)."""
+    seconds and peak memory beside the pre-flight's estimate. The fastest in-process sampler this checkout has; with
+    only the eager one — or when the stage fails with the fast one before its first step ends (the error is kept) —
+    completions of EAGER_FALLBACK_NEW_TOKENS (named in the result)."""
     import shutil
 
-    from gpu_scale_stage import TINY, run_stage
+    from gpu_scale_stage import run_stage
 
     from mopd_core.config import load_config
 
-    where = scratch_dir(50 if not tiny else 0)  # 4 built models (bf16) + final/ and the last checkpoint (fp32)
-    over = [f"output_dir={where}"]
-    fast = fast_rollout_backend()
-    note = None
-    if fast is not None:  # the dry run too: the same engine, uncaptured on the CPU
-        over.append(f"rollout.backend={fast}")
-    if tiny:
-        over = TINY + over
-    else:
-        over.append(f"runtime.device={_kind(device)}")
-        if fast is None:
-            over.append(f"rollout.max_new_tokens={EAGER_FALLBACK_NEW_TOKENS}")
-            note = (f"rollout.backend=hf (no captured sampler in this checkout): completions capped at "
-                    f"{EAGER_FALLBACK_NEW_TOKENS} tokens to fit the device call")
-    cfg = load_config("gpu_scale", over)
-    try:
-        res = run_stage(cfg, device=None if tiny else device)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    fast, fast_error = fast_rollout_backend(), None
+    while True:
+        where = scratch_dir(50 if not tiny else 0)  # 4 built models (bf16) + final/ and the last checkpoint (fp32)
+        over, note = _stage_overrides(device, tiny, where, fast)
+        cfg = load_config("gpu_scale", over)
+        try:
+            res = run_stage(cfg, device=None if tiny else device)
+            break
+        except Exception as e:  # noqa: BLE001 - the captured sampler failed: measure the stage with the eager one
+            if fast is None or tiny:
+                raise
+            fast_error, fast = f"{fast}: {type(e).__name__}: {str(e)[:400]}", None
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
     return {"overrides": over[1:] if not tiny else [], "rollout_backend": cfg.rollout.backend,
             "max_new_tokens": cfg.rollout.max_new_tokens, "prompts": cfg.mopd.prompts_per_step,
             "group": cfg.mopd.group_size, "steps_configured": cfg.mopd.steps, **({"note": note} if note else {}),
-            **res}
+            **({"fast_rollout_error": fast_error} if fast_error else {}), **res}
 
 
 # ---------------------------------------------------------------- 6. TRL's DistillationTrainer on the same device

@@ -95,7 +95,9 @@ def _stage_md(st: dict) -> list[str]:
            f"{st.get('max_new_tokens')} new tokens, rollout `{st.get('rollout_backend')}`; build "
            f"{_f(st.get('build_s'))} s, stage {_f(st.get('stage_s'))} s (of which load/eval/save "
            f"{_f(st.get('stage_other_s'))} s)." + (f" **{st['note']}**" if st.get("note") else "")
-           + (f" **The stage failed after its steps: {st['stage_error']}**" if st.get("stage_error") else ""), "",
+           + (f" **The stage failed after its steps: {st['stage_error']}**" if st.get("stage_error") else "")
+           + (f" The fast sampler failed first: `{st['fast_rollout_error'][:200]}`." if st.get("fast_rollout_error")
+              else ""), "",
            "| step | rollout s | score s | train s | step s | rollout tok/s | train tok/s |",
            "|---|---|---|---|---|---|---|"]
     for s in st.get("steps", []):
