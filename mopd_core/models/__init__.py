@@ -256,7 +256,7 @@ def run_tokenizer(model: ModelConfig):
     must share it): the tiny one as `build_tiny` builds it (in memory, nothing written), else `model.base`'s
     loaded as the stages load it (no download)."""
     if model.base == "tiny":
-        return build_tiny_tokenizer(chat=model.tiny.chat)
+        return build_tiny_tokenizer(chat=model.tiny.chat, vocab_size=model.tiny.vocab_size)
     return load_tokenizer(model.base)
 
 
