@@ -13,7 +13,7 @@
 #                                                # gpu_scale MOPD stage, MFU through policy_update, TRL beside us,
 #                                                # log-prob memory, hand-over, …); their JSON lands under "perf"
 #   SKIP_PERF=1 tests/device/run_all.sh          # the pytest files only; PERF_BUDGET_S (default 300) caps perf,
-#                                                # PERF_ONLY=stage,mfu picks checks (perf_checks.py PLAN: order)
+#                                                # PERF_ONLY=stage,mfu picks checks, in that order
 #   PERF_DRY_RUN=1 RESULTS_DIR=/tmp/x tests/device/run_all.sh quick   # the whole script on a CPU: the device
 #                                                # tests skip, perf_checks.py runs its tiny shapes
 #
