@@ -444,6 +444,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
+    recipe.check_teacher_ids(teachers)
     domains = build_domains(recipe)
     fp = mopd_fingerprint(recipe, student_init, teachers, rnd)
     stage_dir = round_dir(recipe, rnd) / stage_name
