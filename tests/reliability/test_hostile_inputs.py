@@ -14,6 +14,7 @@ else a size-limited fake (RLIMIT_FSIZE)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -168,6 +169,34 @@ def _free_port(w: World):
     from tests.e2e.helpers import free_port
 
     yield {"url": f"http://127.0.0.1:{free_port()}"}
+
+
+@contextlib.contextmanager
+def _state_copy(w: World, damage: Callable[[Path], Path], expert_steps: int = 0):
+    """A copy of the prepared run (plus, with `expert_steps`, an expert-math stage stopped at a checkpoint) in a
+    folder of its own, then `damage(copy)` breaks one state file and returns it: the case resumes from it."""
+    d = Path(tempfile.mkdtemp(prefix="mopd-state-"))
+    shutil.copytree(w.root, d, dirs_exist_ok=True)
+    if expert_steps:
+        from mopd_core.cli import main as cli_main
+
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            rc = cli_main(["stage", "expert", "--domain", "math", "--init", str(w.sft), "--no-progress",
+                           *sets(tiny_overrides(d) + [f"expert.steps={expert_steps}", "expert.save_every=2"])])
+        assert rc in (0, None), rc
+    try:
+        yield {"dir": d, "file": damage(d)}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _garble(path: Path, text: str | None = None) -> Path:
+    path.write_bytes(text.encode() if text is not None else path.read_bytes()[: max(1, path.stat().st_size // 3)])
+    return path
+
+
+def _in_copy(c: dict, *args: str, extra: tuple = ()) -> list[str]:
+    return [*args, *sets(tiny_overrides(c["dir"]) + list(extra))]
 
 
 # ---------------------------------------------------------------- the table
@@ -384,6 +413,29 @@ CASES = [
          lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
                                                                  for a in ("--teacher", f"{d}={w.sft}")], *w.ov()],
          lambda w, c: ["poetry", "no domain"]),
+    # -- state files damaged between runs (a full disk, a kill mid-copy, a hand edit): one line naming the file
+    #    and how to recover, nothing changed
+    Case("state-stage-record-garbled", "hostile/state", lambda w, c: _in_copy(c, "stage", "sft"),
+         lambda w, c: [str(c["file"]), "run the stage again"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "stage.json", '{"status": "do')),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-stage-record-not-an-object", "hostile/state", lambda w, c: _in_copy(c, "stage", "sft"),
+         lambda w, c: [str(c["file"]), "not a JSON object"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "stage.json", "[1, 2]")),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-model-identity-garbled", "hostile/state",
+         lambda w, c: _in_copy(c, "stage", "expert", "--domain", "math", "--init", str(c["dir"] / "t" / "sft" /
+                                                                                        "final")),
+         lambda w, c: [str(c["file"]), "delete it"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "final" / "mopd_identity.json", "{")),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-optimizer-state-truncated", "hostile/state",
+         lambda w, c: _in_copy(c, "stage", "expert", "--domain", "math", "--init", str(w.sft),
+                               extra=("expert.steps=3", "expert.save_every=2")),
+         lambda w, c: [str(c["file"]), "resume from the checkpoint before it"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "expert-math" / "checkpoints" / "step-000002" /
+                                                          "loop_state.pt"), expert_steps=2),
+         watch=lambda w, c: [c["dir"]]),
     # -- filesystem: a file in the way, read-only, disk full
     Case("fs-file-in-the-way", "hostile/filesystem",
          lambda w, c: ["stage", "sft", *sets(tiny_overrides(w.root / "blocker" / "runs"))],
