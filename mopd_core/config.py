@@ -729,6 +729,8 @@ _SECTION_RULES: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("rollout", ("gpu_memory_utilization", "sleep_level", "engine_process"),
      lambda c: c.rollout.backend == "vllm", "rollout.backend=vllm"),
     ("eval", ("temperature",), lambda c: c.eval.mean_at_k > 0, "eval.mean_at_k > 0"),
+    ("runtime", ("ray_address", "ray_placement", "ray_timeout_s"), lambda c: c.runtime.strategy != "single",
+     "runtime.strategy=ddp or fsdp2"),
 ]
 
 
@@ -736,7 +738,7 @@ def unread_settings(cfg: "RecipeConfig") -> list[str]:
     """One line per setting changed from its default in a mode that never reads it (empty = none)."""
     out = []
     sections = {"expert": cfg.expert, "mopd": cfg.mopd, "teachers": cfg.teachers, "rollout": cfg.rollout,
-                "eval": cfg.eval}
+                "eval": cfg.eval, "runtime": cfg.runtime}
     for sec, fields, read, reader in _SECTION_RULES:
         if not read(cfg):
             for f in _changed(sections[sec], fields):

@@ -382,6 +382,8 @@ CASES = [
           ("expert-kd-weight", ["expert.w_kd=1"], ["expert.w_kd", "rewards only"]),
           ("expert-mix", ["expert.mix={math: 1}"], ["expert.mix", "rewards only"]),
           ("expert-kd-loss", ["expert.kd_loss=jsd"], ["expert.kd_loss", "rewards only"]),
+          ("ray-address-without-workers", ["runtime.ray_address=127.0.0.1:6379"],
+           ["runtime.ray_address", "runtime.strategy=ddp"]),
       ]],
     # -- non-finite and degenerate numbers: refused as the config loads (an infinite lr trained NaN weights and
     #    marked the stage done; a group of one sample makes every GRPO advantage 0)
@@ -409,6 +411,16 @@ CASES = [
           ("misspelt-sft-scheduler", ["sft.lr_scheduler=cosine_with_warmupp"],
            ["lr_scheduler", "cosine_with_warmupp", "constant_with_warmup"]),
       ]],
+    # a cluster address nobody answers on: one line before the stage writes (ray.init retried past its timeout
+    # and ended in a library traceback, with a new stage folder left behind)
+    Case("placement-ray-address-refused", "hostile/placement",
+         lambda w, c: _expert_init_ov(w, "runtime.strategy=ddp", "runtime.num_workers=2",
+                                      f"runtime.ray_address={c['url'].removeprefix('http://')}"),
+         lambda w, c: ["runtime.ray_address", "no Ray cluster answers"], setup=_free_port),
+    Case("placement-ray-address-not-host-port", "hostile/placement",
+         lambda w, c: _expert_init_ov(w, "runtime.strategy=ddp", "runtime.num_workers=2",
+                                      "runtime.ray_address=headnode"),
+         lambda w, c: ["runtime.ray_address", "HOST:PORT"]),
     Case("teacher-for-no-domain", "hostile/teacher",
          lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
                                                                  for a in ("--teacher", f"{d}={w.sft}")], *w.ov()],
