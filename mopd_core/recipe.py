@@ -20,7 +20,7 @@ from . import preflight
 from .config import RecipeConfig, stage_fingerprint
 from .errors import ConfigError
 from .domains import DomainError, build_domain
-from .domains.base import kind_results_version
+from .domains.build import kind_results_version
 from .runtime import device as devlib
 
 log = logging.getLogger("mopd")

@@ -228,7 +228,8 @@ def test_engine_imports_point_down_only():
 
 def test_algorithms_import_no_other_engine_module():
     bad = [f"{m} imports {i}" for m, p in ENGINE.items() if m.startswith("mopd_core.algorithms")
-           for i in sorted(imports_of(m, p, ALL)) if _top(i) == "mopd_core" and not i.startswith("mopd_core.algorithms")]
+           for i in sorted(imports_of(m, p, ALL))
+           if _top(i) == "mopd_core" and not i.startswith("mopd_core.algorithms")]
     assert not bad, bad
 
 
