@@ -16,9 +16,10 @@ Where the teachers come from (`teachers.backend`, the stage's `endpoints`, `teac
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -115,6 +116,47 @@ def supervise(servers: VllmServers, seconds: float, poll_s: float = 5.0) -> dict
         if left <= 0:
             return {tid: servers.restart_counts[tid] for tid in servers.servers}
         time.sleep(min(poll_s, left))
+
+
+def teachers_mode(cfg: TeachersConfig) -> str:
+    """`colocated` (backend local: loaded in-process by the mopd stage), `external` (backend http with
+    teachers.endpoints: someone else's servers) or `served` (backend http: one vLLM server per teacher here)."""
+    if cfg.backend == "local":
+        return "colocated"
+    return "external" if cfg.endpoints else "served"
+
+
+@dataclass
+class Provided:
+    """What the `serve_teachers` stage made reachable: the servers it started (None unless `served`), the
+    endpoint manifest's path and entries, and one line saying what happened."""
+    mode: str
+    note: str
+    servers: VllmServers | None = None
+    manifest_path: str | None = None
+    manifest: dict = field(default_factory=dict)
+
+
+def provide(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student: str | Path, run_dir: Path, *,
+            for_mopd: bool = True, skip: str | None = None) -> Provided:
+    """The `serve_teachers` stage for the configured mode: nothing (`colocated`, or `skip` = why no teacher will be
+    needed), servers started and checked under `run_dir` (`served`; the caller stops them), or external endpoints
+    checked and their manifest written to `run_dir/endpoints.json` (`external`)."""
+    mode = teachers_mode(recipe.teachers)
+    t0 = time.perf_counter()
+    if mode == "colocated":
+        return Provided(mode, "colocated: the mopd stage loads the teachers in-process; nothing is served")
+    if skip:
+        return Provided(mode, f"no server started: {skip}")
+    if mode == "served":
+        servers = serve(recipe, teachers, student, run_dir, for_mopd=for_mopd)
+        return Provided(mode, f"{len(servers.servers)} vLLM server(s) started and checked in "
+                        f"{time.perf_counter() - t0:.0f} s", servers, str(servers.manifest_path), servers.manifest())
+    manifest = check_endpoints(recipe, recipe.teachers.endpoints, student)
+    p = run_dir / "endpoints.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return Provided(mode, f"{len(manifest)} external endpoint(s) checked (teachers.endpoints)", None, str(p), manifest)
 
 
 def check_endpoints(recipe: RecipeConfig, endpoints, student: str | Path) -> dict[str, dict]:
