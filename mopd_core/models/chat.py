@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..config import ChatConfig
-from ..domains.base import Example, freeze_messages, thaw
+from ..domains.base import freeze_messages, thaw
 from ..errors import ConfigError, DataError
 
 # Stands for the assistant's content when the template is rendered once to find what it writes after an
@@ -45,9 +45,21 @@ def stop_token_ids(tokenizer, generation_config=None, extra: Sequence[int] = ())
     return out
 
 
+@runtime_checkable
+class HasPrompt(Protocol):
+    """What the formatter reads of a row: its `prompt` (an `Example`, or any row object that carries one)."""
+    prompt: Any
+
+
+@runtime_checkable
+class HasTeacherId(Protocol):
+    """A row that names its domain (`Example.teacher_id`): error messages say which."""
+    teacher_id: str
+
+
 def prompt_of(item: Any) -> Any:
     """An Example's prompt, or the item itself when it already is a prompt (a string or messages)."""
-    return item.prompt if isinstance(item, Example) else item
+    return item.prompt if isinstance(item, HasPrompt) and not isinstance(item, str) else item
 
 
 def preview(prompt: Any, n: int = 40) -> str:
@@ -237,7 +249,7 @@ def _messages_need_chat(item: Any, prompt: Any):
 
 
 def _where(item: Any) -> str:
-    tid = item.teacher_id if isinstance(item, Example) else None
+    tid = item.teacher_id if isinstance(item, HasTeacherId) else None
     return f"domain '{tid}': " if tid else ""
 
 

@@ -45,6 +45,7 @@ PENDING_PROBES: list[tuple[str, str]] = [
     ("mopd_core/cli.py", "getattr(args, k)"),  # stageplan (argparse.Namespace)
     ("tasks/context.py", "getattr(ctx, 'task_run', None)"),  # stageplan (prefect run context)
     ("tasks/context.py", "getattr(ctx, 'flow_run', None)"),  # stageplan (prefect run context)
+    ("mopd_core/domains/sandbox.py", "getattr(m, '__path__', None)"),  # sandbox (a module's __path__: mark it lib)
     ("mopd_core/train/loop.py", "getattr(d, 'uses_truncation', False)"),  # roles (Domain.uses_truncation)
     ("mopd_core/train/loop.py", "hasattr(gn, 'full_tensor')"),  # roles (torch DTensor)
     ("mopd_core/train/sft.py", "getattr(getattr(acc.state, 'fsdp_plugin', None), 'fsdp_version', None)"),  # roles
@@ -53,9 +54,10 @@ PENDING_PROBES: list[tuple[str, str]] = [
 ]
 
 # A `hasattr`/`getattr` is allowed only (a) on a module object — its first argument a name bound by an `import`
-# statement of the file (`getattr(torch, dtype)`) — or (b) when a comment on the call's lines says `lib: <library>`
-# and, for a version check, the version (`# lib: transformers<4.50 has no …`): a library object whose shape we
-# cannot declare. An object of ours never needs one: its class declares the field or the method.
+# statement of the file (`getattr(torch, dtype)`) or an `import_module(…)` call — or (b) when a comment on the
+# call's lines says `lib: <library>` and, for a version check, the version (`# lib: transformers<4.50 has no …`):
+# a library object whose shape we cannot declare. An object of ours never needs one: its class declares the field
+# or the method.
 ALLOW_COMMENT = re.compile(r"#.*\blib:\s*[A-Za-z]")
 PROBES = ("getattr", "hasattr")
 
@@ -168,6 +170,8 @@ def attr_probes(path: Path) -> list[tuple[int, str]]:
         first = node.args[0]
         if isinstance(first, ast.Name) and first.id in module_names:
             continue
+        if isinstance(first, ast.Call) and ast.unparse(first.func).split(".")[-1] == "import_module":
+            continue  # a module imported by name
         lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
         if any(ALLOW_COMMENT.search(comments.get(n, "")) for n in lines):
             continue
@@ -318,10 +322,11 @@ def test_planted_probe_on_our_object_is_found(tmp_path):
                  "        return getattr(t,\n            'scores_any_ids', False)\n"  # ours, two lines: found
                  "    x = getattr(torch, dtype)\n"                                    # a module: allowed
                  "    y = getattr(venv, 'disable_envs_cache', None)\n"                # a module imported as: allowed
+                 "    w = getattr(importlib.import_module('a.b'), 'C')\n"              # a module by name: allowed
                  "    z = getattr(worker, 'device', None)  # lib: vllm 0.11 worker\n"  # marked: allowed
                  "    return getattr(worker, 'model_runner')  # the worker\n")         # a comment without lib: found
     assert attr_probes(p) == [(6, "hasattr(t, 'hidden')"), (7, "getattr(t, 'scores_any_ids', False)"),
-                              (12, "getattr(worker, 'model_runner')")]
+                              (13, "getattr(worker, 'model_runner')")]
 
 
 def test_the_layer_check_sees_a_lazy_import_of_this_tree(tmp_path):
