@@ -54,6 +54,7 @@ class Teacher:
     stats: dict
     fingerprint: str | None = None
     in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
+    scores_top_k = True  # `score(..., top_k=k)`: its own k most likely ids and their log-probs (kd_loss=jsd, …)
     scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)
     gives_hidden = False  # `hidden(batch, device)`: final hidden states and lm_head (kd_loss=full_jsd)
     param_bytes = 0     # bytes of those weights
@@ -230,6 +231,10 @@ class TeacherRouter:
         servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one.
         `supports`: per job the ids `[n,T,S]` whose log-probs to return too (None: none)."""
         supports = supports or [None] * len(jobs)
+        for n, _ in jobs:
+            if top_k and not self.teachers[n].scores_top_k:
+                raise TeacherError(f"teacher '{n}' cannot return its top-{top_k} log-probs; use another teacher "
+                                   "backend or a kd_loss that needs only the sampled token")
         for (n, _), sup in zip(jobs, supports):
             if sup is not None and not self.teachers[n].scores_any_ids:
                 raise TeacherError(f"teacher '{n}' cannot score the student's candidate tokens (a vLLM server's "
