@@ -84,7 +84,7 @@ from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, enco
 from .requests import request_seeds, sampling_kwargs
 from .served import ServedRollout
 
-BACKENDS = ("hf", "vllm", "served")
+BACKENDS = ("hf", "hf_graphed", "vllm", "served")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
              "or set rollout.backend=hf")
 
@@ -133,10 +133,14 @@ def build_rollout(recipe_or_rollout_cfg: RecipeConfig | RolloutConfig, model, to
         chat = recipe.data.chat  # how prompts become ids and which ids stop (models.chat)
     backend = cfg.backend
     if backend == "hf":
-        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
+        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
     if backend == "served":
         teachers = recipe.teachers if recipe is not None else TeachersConfig()
         return _served(cfg, teachers, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
+    if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it
+        from .graphed import GraphedRollout
+
+        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)

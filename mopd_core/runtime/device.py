@@ -287,3 +287,65 @@ def autocast(kind: str, dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+# ---------------------------------------------------------------- what benchmarks read (tests/device/perf_checks.py)
+
+
+def device_name(kind: str) -> str:
+    """The accelerator's product name (`torch.cuda.get_device_name` / `torch.npu.get_device_name`), or "cpu"."""
+    mod = _module(kind)
+    return mod.get_device_name(current_index(kind)) if mod is not None else "cpu"
+
+
+def allocated_bytes(kind: str) -> int:
+    """Bytes the caching allocator has handed out now on the current device (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.memory_allocated()) if mod is not None else 0
+
+
+def peak_allocated_bytes(kind: str) -> int:
+    """The most bytes handed out since the last `reset_peak_memory_stats` (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.max_memory_allocated()) if mod is not None else 0
+
+
+def compile_backend(kind: str) -> str | None:
+    """The `torch.compile` backend for training on `kind`: inductor on cuda; None (do not compile) on cpu, where
+    inductor's generated code costs more than it saves at the CPU presets' widths, and on npu, where inductor needs
+    torch_npu's own backend support (pass one explicitly to `models.compile_decoder_layers` there)."""
+    return "inductor" if kind == "cuda" else None
+
+
+# ---------------------------------------------------------------- captured device graphs (rollout.graphed)
+
+
+def graphs_supported(kind: str) -> bool:
+    """Can a sequence of kernels be captured once and replayed (`torch.cuda.CUDAGraph`; torch_npu's
+    `torch.npu.NPUGraph`, the same API)? Never on cpu, where the sampler runs the same step uncaptured."""
+    mod = _module(kind)
+    if mod is None:
+        return False
+    return hasattr(mod, "CUDAGraph" if kind == "cuda" else "NPUGraph")  # lib: torch.cuda / torch_npu builds
+
+
+def capture_graph(kind: str, fn, warmup: int = 1):
+    """Capture `fn()` (no arguments; it reads and writes tensors that stay allocated) into a device graph and
+    return `(graph, output)`: `graph.replay()` re-runs the kernels and refreshes `output` in place. `fn` is run
+    `warmup` times first on a side stream (lazy library handles, allocator warm-up: the device's documented
+    capture recipe). Autocast's weight-cast cache is off during warm-up and capture: a cached cast would be
+    captured as a stale tensor instead of a cast kernel that reads the current weights at every replay."""
+    mod = _module(kind)
+    graph = mod.CUDAGraph() if kind == "cuda" else mod.NPUGraph()
+    ac = torch.autocast(device_type=kind, dtype=torch.get_autocast_dtype(kind),
+                        enabled=torch.is_autocast_enabled(kind), cache_enabled=False)
+    side = mod.Stream()
+    side.wait_stream(mod.current_stream())
+    with ac, mod.stream(side):
+        for _ in range(warmup):
+            fn()
+    mod.current_stream().wait_stream(side)
+    mod.synchronize()
+    with ac, mod.graph(graph):
+        out = fn()
+    return graph, out
