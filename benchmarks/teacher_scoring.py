@@ -93,10 +93,10 @@ def main(argv=None) -> int:
     startup_s = None
     if not args.no_http and Path(args.python).exists():
         from mopd_core.teachers.http import build_http_router
-        from mopd_core.teachers.serving import TeacherServers
+        from mopd_core.serving import VllmServers
 
         t0 = time.perf_counter()
-        with TeacherServers(ckpts, work / "serve", max_seq_len=32 + args.max_new_tokens, python=args.python,
+        with VllmServers(ckpts, work / "serve", max_seq_len=32 + args.max_new_tokens, python=args.python,
                             student_fingerprint=tokenizer_fingerprint(tok), startup_timeout_s=600) as servers:
             startup_s = time.perf_counter() - t0
             print(f"3 vLLM servers healthy after {startup_s:.0f} s", flush=True)

@@ -885,7 +885,7 @@ def load_config(preset: str | Path = "tiny", overrides: list[str] | None = None)
 # Bumped on purpose — and only then — when a code change alters what a stage produces from the same config and
 # inputs (a loss fix, a new sampling order). It is part of every stage fingerprint and recorded in stage.json, so
 # editing a comment or refactoring reuses every finished stage while a results-changing release retrains them.
-# A synthetic kind that draws other data carries its own version instead (`domains.base.kind_results_version`).
+# A synthetic kind that draws other data carries its own version instead (`domains.build.kind_results_version`).
 RESULTS_VERSION = 1
 
 

@@ -25,7 +25,8 @@ library is a bug until shown otherwise).
         NonFiniteLossError   train.loop.NonFiniteLossError
       DiskFullError                                    ENOSPC before or while writing a checkpoint
     InfraError                              retried by Prefect, traceback at the CLI
-      TeacherUnavailable  teachers.http.TeacherUnavailable  server died/hung/5xx after retries and restarts
+      ServerUnavailable   serving.ServerUnavailable    a vLLM server died/hung/5xx after retries and restarts
+                          (teachers raise it as teachers.http.TeacherUnavailable)
       WorkerLostError                                  a Ray worker died or never answered
       PipelineStalledError  runtime.staleness.PipelineStalledError  async: no samples within the timeout
       TrackingUnavailable                              the MLflow tracking store cannot be reached

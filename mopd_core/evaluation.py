@@ -167,7 +167,7 @@ def load_benchmarks(domain: str, sources: Sequence[EvalSource], eval_size: int |
             modes = {m.split("_")[1] for m in spec.metric_keys() if m in IFEVAL_METRICS}
             common = {k: v for k, v in spec.verifier_args.items() if k not in ("mode", "score")}
             # the per-instruction verdicts do not depend on `score`: the benchmark's own verifier serves its mode
-            ife = {m: ver if getattr(ver, "mode", None) == m and spec.verifier == "ifeval"
+            ife = {m: ver if spec.verifier == "ifeval" and ver.mode == m  # an ifeval benchmark's verifier: IFEval
                    else get_verifier("ifeval", mode=m, score="all", **common) for m in sorted(modes)}
         except DomainError as e:
             raise DomainError(f"{where}: {e}") from None

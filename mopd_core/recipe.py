@@ -184,7 +184,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                progress: bool = True, stage_name: str = "student", endpoints=None, rnd: int = 1) -> StageOutput:
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
     its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D. With `teachers.backend: http` the teachers are
-    `endpoints` (already running: a `serving.TeacherServers` — supervised, dead servers are restarted — or an
+    `endpoints` (already running: a `serving.VllmServers` — supervised, dead servers are restarted — or an
     endpoint manifest path/dict; nothing is started or stopped), else `teachers.endpoints`, else vLLM servers
     started here and stopped when the stage ends (also on failure). A stage already finished with this
     fingerprint and step count is returned as it is, before any teacher is loaded or served.

@@ -9,61 +9,32 @@ Teacher modes (`teachers.backend` / `teachers.endpoints`):
 - `external` (`backend: http` + `teachers.endpoints`): servers someone else runs; pre-flighted, never started or
   stopped here.
 
-The live `serving.TeacherServers` stays in this process (tasks are threads of the flow-run process) in a registry
-keyed by its manifest path: the mopd task looks it up by the path it is given and trains against the supervisor,
-so a dead server is restarted. The manifest path is a plain task argument outside the mopd cache key — the
-student's identity stays its model references, never ports, URLs or pids.
+The started `mopd_core.serving.VllmServers` stays in this process (tasks are threads of the flow-run process),
+registered by its manifest path (`serving.live`): the mopd task looks it up by the path it is given and trains
+against the supervisor, so a dead server is restarted. The manifest path is a plain task argument outside the mopd
+cache key — the student's identity stays its model references, never ports, URLs or pids.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
 from prefect import get_run_logger, task
 
+from mopd_core.serving import live as live_teachers  # the one registry of live servers, by manifest path
+
 from . import tracking
 from .common import local_path, publish_stage, refs_cache_dir
 from .context import RETRY, prefect_tags
-
-_LIVE: dict[str, Any] = {}  # manifest path → started serving.TeacherServers
-_LIVE_LOCK = threading.Lock()
-
 
 def servers_dir(cfg, rnd: int = 1) -> Path:
     """Where the recipe run's served teachers (of round `rnd`) keep logs, manifest, HOME and caches."""
     from mopd_core.recipe import round_dir
 
     return (round_dir(cfg, rnd) / "serve-teachers").resolve()
-
-
-def live_teachers(manifest: str | None):
-    """The running TeacherServers this process started for `manifest`, or None."""
-    if not manifest:
-        return None
-    with _LIVE_LOCK:
-        return _LIVE.get(str(Path(manifest).resolve()))
-
-
-def _register(manifest: str, servers) -> None:
-    with _LIVE_LOCK:
-        _LIVE[str(Path(manifest).resolve())] = servers
-
-
-def _unregister(manifest: str | None):
-    if not manifest:
-        return None
-    with _LIVE_LOCK:
-        return _LIVE.pop(str(Path(manifest).resolve()), None)
-
-
-def _mode(cfg) -> str:
-    if cfg.teachers.backend == "local":
-        return "colocated"
-    return "external" if cfg.teachers.endpoints else "served"
 
 
 def _student_reused(cfg, student: Mapping[str, Any], refs: Mapping[str, Mapping[str, Any]], student_path: Path,
@@ -104,12 +75,47 @@ def _manifest_md(mode: str, manifest: Mapping[str, Mapping[str, Any]], note: str
     return "\n".join(lines)
 
 
+def _log_inputs(run_id: str, cfg, mode: str, out: Mapping[str, Mapping[str, str]], student_fp: str,
+                fps: Mapping[str, str]) -> None:
+    tc = cfg.teachers
+    tracking.log_params(run_id, {"teachers.backend": tc.backend, "teachers.routing": tc.routing,
+                                 "teachers.mode": mode, "teachers.server_dtype": tc.server_dtype,
+                                 "teachers.max_logprobs": tc.max_logprobs,
+                                 "teachers.tensor_parallel_size": tc.tensor_parallel_size,
+                                 "teachers.gpu_memory_utilization": tc.gpu_memory_utilization,
+                                 "max_model_len": cfg.max_seq_len() + 1,
+                                 **{f"input.teacher.{k}": v["ref"] for k, v in out.items()}})
+    tracking.set_tags(run_id, {"student_tokenizer": student_fp, **{f"tokenizer.{k}": v for k, v in fps.items()}})
+
+
+def _log_served(run_id: str, got, t0: float) -> None:
+    if got.manifest_path:
+        _log_server_files(run_id, got.manifest_path, got.manifest)
+        tracking.set_tags(run_id, {"mopd.teachers_started": str(got.servers is not None).lower(),
+                                   "mopd.teachers_manifest": got.manifest_path})
+        tracking.log_metric_rows(run_id, [{"step": 0, "startup_s": time.perf_counter() - t0,
+                                           "teachers": len(got.manifest)}])
+
+
+def _failed(run_id: str, got, cfg, rnd: int, mode: str) -> None:
+    """A failed start-up or check: stop what was started, keep the servers' logs as the evidence."""
+    if got is not None and got.servers is not None:
+        got.servers.stop()
+    try:
+        logs = servers_dir(cfg, rnd) / "logs"
+        if mode == "served" and logs.exists():
+            tracking.log_artifact(run_id, logs, "teachers/logs")
+    except Exception:  # noqa: BLE001 - the original error matters more
+        pass
+    tracking.end_run(run_id, "FAILED")
+
+
 @task(name="serve_teachers", task_run_name="serve-teachers", **RETRY)
 def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str | None = None,
                         refresh: bool = False, for_mopd: bool = True, stage: str = "mopd") -> dict:
     """Make every teacher reachable for scoring and check it against the student, before any training.
 
-    `served` mode starts one vLLM server per expert (`mopd_core.teachers.lifecycle.serve`: tokenizer
+    `served` mode starts one vLLM server per expert (`mopd_core.teachers.lifecycle.provide`: tokenizer
     fingerprints and max-model-len checked before any start-up; health, `/tokenize` probe and length checked
     after), logs the endpoint manifest and every server's log to this task's `serve-teachers` MLflow run and
     publishes a Markdown artifact teacher → url/model/max_model_len/pid. No server starts when the mopd task will
@@ -124,76 +130,36 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
     from mopd_core.teachers import lifecycle
 
     logger = get_run_logger()
-    mode = _mode(cfg)
+    mode = lifecycle.teachers_mode(cfg.teachers)
     rnd = parse_stage(stage)[2]
     label = round_prefix(rnd) + "serve-teachers"
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
                                 tags={"mopd.stage": label, "mopd.teachers_mode": mode, **prefect_tags()})
-    servers, manifest_path, manifest, note = None, None, {}, ""
-    link = None
+    got, link = None, None
     try:
         link = tracking.run_url(run_id)
         cache = refs_cache_dir(cfg)
         student_path = local_path(student, cache)
         paths = {name: local_path(ref, cache) for name, ref in sorted(teachers.items())}
         out = {name: {"ref": ref["ref"], "path": str(paths[name])} for name, ref in sorted(teachers.items())}
-        student_fp, fps = lifecycle.check_tokenizers(student_path, paths)
-        tc = cfg.teachers
-        tracking.log_params(run_id, {"teachers.backend": tc.backend, "teachers.routing": tc.routing,
-                                     "teachers.mode": mode, "teachers.server_dtype": tc.server_dtype,
-                                     "teachers.max_logprobs": tc.max_logprobs,
-                                     "teachers.tensor_parallel_size": tc.tensor_parallel_size,
-                                     "teachers.gpu_memory_utilization": tc.gpu_memory_utilization,
-                                     "max_model_len": cfg.max_seq_len() + 1,
-                                     **{f"input.teacher.{k}": v["ref"] for k, v in out.items()}})
-        tracking.set_tags(run_id, {"student_tokenizer": student_fp,
-                                   **{f"tokenizer.{k}": v for k, v in fps.items()}})
+        _log_inputs(run_id, cfg, mode, out, *lifecycle.check_tokenizers(student_path, paths))
         why = (_student_reused(cfg, student, out, student_path, paths, refresh, rnd) if mode != "colocated"
                else None)
-        t0 = time.perf_counter()
-        if mode == "colocated":
-            note = "colocated: the mopd stage loads the teachers in-process; nothing is served"
-        elif why:
-            note = f"no server started: {why}"
+        if why:
             tracking.set_tags(run_id, {"mopd.teachers_started": "false", "mopd.teachers_skipped": why[:5000]})
-        elif mode == "served":
-            servers = lifecycle.serve(cfg, paths, student_path, servers_dir(cfg, rnd), for_mopd=for_mopd)
-            manifest_path = str(servers.manifest_path)
-            _register(manifest_path, servers)
-            manifest = servers.manifest()
-            note = f"{len(manifest)} vLLM server(s) started and checked in {time.perf_counter() - t0:.0f} s"
-        else:  # external: someone else's servers, checked and recorded, never started or stopped here
-            manifest = lifecycle.check_endpoints(cfg, tc.endpoints, student_path)
-            p = servers_dir(cfg, rnd) / "endpoints.json"
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            manifest_path = str(p)
-            note = f"{len(manifest)} external endpoint(s) checked (teachers.endpoints)"
-        if manifest_path:
-            _log_server_files(run_id, manifest_path, manifest)
-            tracking.set_tags(run_id, {"mopd.teachers_started": str(servers is not None).lower(),
-                                       "mopd.teachers_manifest": manifest_path})
-            tracking.log_metric_rows(run_id, [{"step": 0, "startup_s": time.perf_counter() - t0,
-                                               "teachers": len(manifest)}])
+        t0 = time.perf_counter()
+        got = lifecycle.provide(cfg, paths, student_path, servers_dir(cfg, rnd), for_mopd=for_mopd, skip=why)
+        _log_served(run_id, got, t0)
         tracking.end_run(run_id)
     except BaseException:
-        if servers is not None:
-            _unregister(manifest_path)
-            servers.stop()
-        try:  # a failed start-up: its logs are the evidence
-            logs = servers_dir(cfg, rnd) / "logs"
-            if mode == "served" and logs.exists():
-                tracking.log_artifact(run_id, logs, "teachers/logs")
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
-        tracking.end_run(run_id, "FAILED")
+        _failed(run_id, got, cfg, rnd, mode)
         raise
-    logger.info("teachers (%s): %s — %s", mode, ", ".join(sorted(out)), note)
-    for t, e in sorted(manifest.items()):
+    logger.info("teachers (%s): %s — %s", mode, ", ".join(sorted(out)), got.note)
+    for t, e in sorted(got.manifest.items()):
         logger.info("teacher %s: %s model=%s max_model_len=%s pid=%s", t, e.get("url"), e.get("model"),
                     e.get("max_model_len"), e.get("pid"))
-    publish_stage(label, cfg.name, _manifest_md(mode, manifest, note), link)
-    return {"teachers": out, "manifest": manifest_path, "mode": mode, "started": servers is not None,
+    publish_stage(label, cfg.name, _manifest_md(mode, got.manifest, got.note), link)
+    return {"teachers": out, "manifest": got.manifest_path, "mode": mode, "started": got.servers is not None,
             "run_id": run_id}
 
 
@@ -220,7 +186,7 @@ def release_teachers(served: Mapping[str, Any] | None, logger=None) -> dict[str,
     import logging
 
     logger = logger or logging.getLogger("mopd")
-    servers = _unregister((served or {}).get("manifest"))
+    servers = live_teachers((served or {}).get("manifest"))
     if servers is None:
         return {}
     counts: dict[str, int] = {}

@@ -48,12 +48,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import PlacementError, WorkerLostError
+from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES
 
 #: Ray resource each device kind binds per bundle.
-RESOURCE = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
-#: Transport used when `ClusterSpec.transport` is None, by compute device.
-DEFAULT_TRANSPORT = {"cpu": "collective", "cuda": "cuda_ipc", "npu": "shared_memory"}
+RESOURCE = devlib.RAY_RESOURCE  # the Ray resource of each device kind (runtime.device owns the map)
 TRANSPORTS = ("collective", "cuda_ipc", "shared_memory")
 TRAIN_STRATEGIES = ("ddp", "fsdp2")
 # Trainer and rollout worker share a bundle (colocated): each asks for this fraction of its resource.
@@ -97,7 +96,7 @@ class ClusterSpec:
     @property
     def hand_over(self) -> str:
         """The weight transport actually used."""
-        return self.transport or DEFAULT_TRANSPORT.get(self.compute_device, "collective")
+        return self.transport or devlib.cluster_transport(self.compute_device)
 
     @property
     def num_instances(self) -> int:
@@ -130,7 +129,7 @@ class ClusterSpec:
             # in a communicator
             raise ClusterError(f"cluster.transport=collective would put training rank 0 and rollout instance 0 "
                                f"on the same {self.compute_device} device; use cluster.transport="
-                               f"{DEFAULT_TRANSPORT[self.compute_device]} for colocated workers")
+                               f"{devlib.cluster_transport(self.compute_device)} for colocated workers")
         if self.hand_over == "cuda_ipc" and self.compute_device != "cuda":
             raise ClusterError(f"cluster.transport=cuda_ipc needs cluster.device=cuda, got "
                                f"{self.compute_device}; use collective (cpu) or shared_memory")
@@ -277,7 +276,7 @@ def _gather(refs: Sequence[Any], timeout_s: float | None, what: str,
         try:
             ray.get(ready[0])
         except RayActorError as e:
-            if getattr(e, "actor_init_failed", False):  # its constructor raised: that error, as it is
+            if getattr(e, "actor_init_failed", False):  # lib: ray ≥ 2.x — its constructor raised: that error, as it is
                 raise
             i = list(refs).index(ready[0])
             who = names[i] if names else f"worker {i}"
@@ -306,7 +305,7 @@ def fully_shard_model(model: torch.nn.Module, group, device_type: str, dtype: st
     mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
           if dtype != "float32" else MixedPrecisionPolicy())
     off = CPUOffloadPolicy(pin_memory=device_type != "cpu") if cpu_offload else OffloadPolicy()
-    units = set(getattr(model, "_no_split_modules", None) or ())
+    units = set(getattr(model, "_no_split_modules", None) or ())  # lib: transformers (a plain module: none)
     for mod in list(model.modules()):
         if type(mod).__name__ in units:
             fully_shard(mod, mesh=mesh, mp_policy=mp, offload_policy=off)
@@ -329,8 +328,6 @@ class _Worker:
     def __init__(self, rank: int, spec: ClusterSpec, model_path: str) -> None:
         """Runs first in the actor process: visible devices (before torch touches the device), threads."""
         from ..models import quiet_hf
-        from ..runtime import device as devlib
-
         quiet_hf()  # as the recipe does in the driver: no per-load progress bars from N workers
         self.rank, self.spec, self.model_path = rank, spec, model_path
         self.world = spec.num_workers + spec.num_instances
@@ -374,8 +371,6 @@ class _Worker:
         """Where this worker runs: pid, rank, device, backend, the visible-devices variable Ray/we set."""
         import ray
 
-        from ..runtime import device as devlib
-
         var = self.dinfo.visible_devices_env
         kind_var = devlib.visible_devices_env(self.spec.kind)
         ctx = ray.get_runtime_context()
@@ -400,7 +395,6 @@ class TrainWorker(_Worker):
         from ..config import PolicyLoopConfig
         from ..models import load_model
 
-        from ..runtime import device as devlib
         from ..train.loop import enable_gradient_checkpointing
 
         self.cfg = PolicyLoopConfig(**dict(loop_cfg))
@@ -446,13 +440,13 @@ class TrainWorker(_Worker):
             return False
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        group = getattr(self.model._get_fsdp_state(), "_fsdp_param_group", None)
-        return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
+        group = getattr(self.model._get_fsdp_state(), "_fsdp_param_group", None)  # lib: torch FSDP2 (private)
+        return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)  # lib: torch FSDP2 (private)
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of the student's parameters and of the optimizer state (FSDP2: its shards)."""
         def local(t):
-            t = t.to_local() if hasattr(t, "to_local") else t
+            t = t.to_local() if hasattr(t, "to_local") else t  # lib: torch DTensor (FSDP2 shards)
             return t.numel() * t.element_size()
 
         params = sum(local(p) for p in self.model.parameters())
@@ -486,8 +480,6 @@ class TrainWorker(_Worker):
             t = {k: v[rows].to(self.device) for k, v in payload["teacher"].items()}
             routed = RoutedScore(logp=t["logp"], teacher_index=torch.zeros(len(rows), dtype=torch.long),
                                  topk_ids=t["topk_ids"], topk_logp=t["topk_logp"])
-        from ..runtime import device as devlib
-
         # DDP computes under autocast; FSDP2 already casts the parameters it gathers (MixedPrecisionPolicy)
         amp = devlib.autocast(self.dinfo.kind, "float32" if self.fsdp else self.spec.dtype)
         with amp:
@@ -769,7 +761,8 @@ class WorkerGroup:
                 raise ClusterError("kd_loss=jsd: train_step needs the teachers' scores with top-k (routed=, from "
                                    "TeacherRouter.score(..., top_k=jsd_top_k))")
             # [B,T] + 2×[B,T,k]: what the JSD reads, not the per-teacher copies the metrics use
-            kd = {k: getattr(routed, k).detach().cpu() for k in ("logp", "topk_ids", "topk_logp")}
+            kd = {"logp": routed.logp.detach().cpu(), "topk_ids": routed.topk_ids.detach().cpu(),
+                  "topk_logp": routed.topk_logp.detach().cpu()}
         self._need_started()
         W, B = self.spec.num_workers, batch.size
         if B < W or B % W:
@@ -901,6 +894,6 @@ class WorkerGroup:
                 "workers": self.worker_info}
 
 
-__all__ = ["RESOURCE", "DEFAULT_TRANSPORT", "TRANSPORTS", "TRAIN_STRATEGIES", "ClusterError", "ClusterSpec", "init_ray",
+__all__ = ["RESOURCE", "TRANSPORTS", "TRAIN_STRATEGIES", "ClusterError", "ClusterSpec", "init_ray",
            "bundle_for", "device_placement_group", "fully_shard_model", "TrainWorker", "RolloutWorker", "Prompt",
            "WorkerGroup"]

@@ -23,7 +23,8 @@ from typing import Any
 
 from ..models import load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch
-from ..teachers import Teacher, TeacherScore
+from ..runtime.phases import teacher_turn
+from ..teachers import LocalTeacher, Teacher, TeacherScore
 from .cluster import _SHARE, ClusterError, ClusterSpec, _actor_options, _gather, _Worker
 
 
@@ -44,8 +45,6 @@ class TeacherWorker(_Worker):
     def __init__(self, spec: ClusterSpec, name: str, path: str, dtype: str, offload: bool, temperature: float,
                  batch_size: int | None, logprob_impl: str) -> None:
         super().__init__(-1, spec, path)
-        from ..teachers import LocalTeacher
-
         self.teacher = LocalTeacher(name, path, self.device, dtype, offload, temperature, batch_size, logprob_impl)
 
     def describe(self) -> dict[str, Any]:
@@ -53,8 +52,10 @@ class TeacherWorker(_Worker):
         return {**self.info(), "param_bytes": self.teacher.param_bytes, "fingerprint": self.teacher.fingerprint}
 
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
-        """`LocalTeacher.score` on this device; the scores come back on CPU."""
-        s = self.teacher.score(batch.to(self.device), top_k)
+        """`LocalTeacher.score` on this device, inside its turn (the weights visit the device for it, as in the
+        driver's colocated phases); the scores come back on CPU."""
+        with teacher_turn(self.teacher):
+            s = self.teacher.score(batch.to(self.device), top_k)
         return TeacherScore(*(_to(t, "cpu") for t in (s.logp, s.topk_ids, s.topk_logp)))
 
 
@@ -105,6 +106,13 @@ class RayTeacher(Teacher):
         self.stats["tokens"] += int(batch.completion_mask.sum())
         self.stats["calls"] += 1
         return TeacherScore(*(_to(t, dev) for t in (s.logp, s.topk_ids, s.topk_logp)))
+
+    def placement(self) -> dict | None:
+        """Where its actor ran (bundle, node, device, pid, the weights' bytes); None before it started."""
+        if not self.worker:
+            return None
+        return {"placement": "workers",
+                **{k: self.worker.get(k) for k in ("bundle", "node_id", "device", "pid", "param_bytes")}}
 
     def close(self) -> None:
         """Kill the actor (a no-op once the trainers' group, and with it the actor, is gone)."""

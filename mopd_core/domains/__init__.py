@@ -7,8 +7,8 @@ never trained on) and a reward in [0, 1]. `build_domain(name, source, ...)` make
 code only inside `sandbox.run_sandboxed` (resource limits, dropped privileges, namespaces, an audit hook).
 """
 
-from .base import (Domain, DomainError, Example, FrozenFields, available_domains, build_domain, exact_match,
-                   register_domain)
+from .base import Domain, DomainError, Example, FrozenFields, exact_match, register_domain
+from .build import available_domains, build_domain
 from .dataset import DatasetDomain, check_teacher_ids, load_examples, load_examples_cached
 from .sandbox import SandboxError, SandboxResult, run_python_tests, run_sandboxed, sandbox_layers
 from .synthetic import (CodeDomain, InstructionDomain, MathChainDomain, MathDomain, ShortInstructionDomain,

@@ -274,7 +274,7 @@ class DatasetDomain(Domain):
 
     @property
     def uses_truncation(self) -> bool:
-        return bool(getattr(self.verifier, "zero_if_truncated", False))
+        return bool(self.verifier.zero_if_truncated)
 
     def train_examples(self, n: int, rng: random.Random) -> list[Example]:
         k = len(self._train)

@@ -38,6 +38,7 @@ class VerdictRow:
 
 class Verifier(ABC):
     name: str = ""
+    zero_if_truncated: bool = False  # a completion cut off by the token budget earns 0 (the real verifiers' option)
 
     @abstractmethod
     def __call__(self, example: Example, completion: str) -> float:

@@ -155,7 +155,7 @@ def compile_decoder_layers(model, kind: str, backend: str | None = None) -> int:
     backend = backend or compile_backend(kind)
     if backend is None:
         return 0
-    units = set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    units = set(getattr(unwrap(model), "_no_split_modules", None) or ())  # lib: transformers (a plain module: none)
     n = 0
     for mod in unwrap(model).modules():
         if type(mod).__name__ not in units:
@@ -325,15 +325,20 @@ def forward(model, input_ids, attention_mask=None, position_ids=None, cache: Any
     kw = {_cache_kwarg(type(model)): cache} if cache is not None else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=use_cache, logits_to_keep=logits_to_keep, **kw)
-    new_cache = getattr(out, "cache", None)
+    new_cache = getattr(out, "cache", None)  # lib: transformers ≥ 5.2x returns `cache`
     if new_cache is None:
-        new_cache = getattr(out, "past_key_values", None)
+        new_cache = getattr(out, "past_key_values", None)  # lib: transformers < 5.2x: `past_key_values`
     return out.logits, new_cache
 
 
 def unwrap(model):
     """The transformers model inside a DDP-style wrapper (`.module`), or the model itself."""
-    return getattr(model, "module", model)
+    return getattr(model, "module", model)  # lib: torch DDP/DataParallel (and accelerate) wrap it in `.module`
+
+
+def generation_config(model):
+    """The sampled model's generation config (its eos ids stop generation); None for a module without one."""
+    return getattr(unwrap(model), "generation_config", None)  # lib: transformers models (a bare nn.Module: none)
 
 
 def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
@@ -362,12 +367,13 @@ def logit_transform(model) -> tuple[float | None, float]:
     config as TRL's fused forward reads them: Gemma-2/3 soft-capping; Cohere `logit_scale`, `output_multiplier`,
     Falcon-H1 `lm_head_multiplier`, Granite/MiniCPM3 `1/logits_scaling` (HyperCLOVA X multiplies)."""
     cfg = unwrap(model).config.get_text_config()
-    scale = getattr(cfg, "logit_scale", None)  # None on models that do not scale (e.g. MPT)
+    # lib: transformers model configs — each family names its own field, most have none
+    scale = getattr(cfg, "logit_scale", None)  # lib: transformers (None on models that do not scale, e.g. MPT)
     for name in ("output_multiplier", "lm_head_multiplier"):
-        scale = getattr(cfg, name, None) if scale is None else scale
-    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = getattr(cfg, name, None) if scale is None else scale  # lib: transformers (Falcon-H1 …)
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:  # lib: transformers (Granite …)
         scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1 / cfg.logits_scaling
-    return getattr(cfg, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+    return getattr(cfg, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)  # lib: transformers
 
 
 def num_parameters(model) -> int:

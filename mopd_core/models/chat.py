@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..config import ChatConfig
 from ..domains.base import freeze_messages, thaw
@@ -38,18 +38,28 @@ def stop_token_ids(tokenizer, generation_config=None, extra: Sequence[int] = ())
     config's `eos_token_id` (an int or a list: instruct checkpoints list their end-of-turn token there), then
     `extra` (the chat template's end-of-turn token)."""
     out: list[int] = []
-    gen = getattr(generation_config, "eos_token_id", None)
+    gen = getattr(generation_config, "eos_token_id", None)  # lib: transformers GenerationConfig, or None
     for v in [tokenizer.eos_token_id, *(gen if isinstance(gen, (list, tuple)) else [gen]), *extra]:
         if v is not None and int(v) not in out:
             out.append(int(v))
     return out
 
 
-def _prompt_of(item: Any) -> Any:
+@runtime_checkable
+class HasPrompt(Protocol):
+    """What the formatter reads of a row: its `prompt` (an `Example`, or any row object that carries one)."""
+    prompt: Any
+
+
+@runtime_checkable
+class HasTeacherId(Protocol):
+    """A row that names its domain (`Example.teacher_id`): error messages say which."""
+    teacher_id: str
+
+
+def prompt_of(item: Any) -> Any:
     """An Example's prompt, or the item itself when it already is a prompt (a string or messages)."""
-    if isinstance(item, str) or not hasattr(item, "prompt"):
-        return item
-    return item.prompt
+    return item.prompt if isinstance(item, HasPrompt) and not isinstance(item, str) else item
 
 
 def preview(prompt: Any, n: int = 40) -> str:
@@ -84,8 +94,8 @@ class PromptFormatter:
         if self.enabled:
             if self.chat.chat_template:
                 self.template = _read_template(self.chat.chat_template)
-            elif not getattr(tokenizer, "chat_template", None):
-                name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            elif not tokenizer.chat_template:
+                name = tokenizer.name_or_path or type(tokenizer).__name__
                 raise ConfigError(f"data.chat.enabled=true but the tokenizer of '{name}' has no chat template — "
                                   "set data.chat.chat_template to a Jinja template file (base models), or "
                                   "model.tiny.chat=true for the tiny model")
@@ -94,7 +104,7 @@ class PromptFormatter:
     # -- rendering -------------------------------------------------------------------------------------------
     def messages(self, item: Any) -> list[dict] | None:
         """The chat messages `item` renders to (system prompt and user suffix applied); None with chat off."""
-        prompt = _prompt_of(item)
+        prompt = prompt_of(item)
         if not self.enabled:
             if not isinstance(prompt, str):
                 self._not_a_string(item, prompt)
@@ -116,7 +126,7 @@ class PromptFormatter:
     def text(self, item: Any) -> str:
         """The prompt as the model reads it, as text (the raw string with chat off)."""
         msgs = self.messages(item)  # chat off: checks that the prompt is a string
-        return _prompt_of(item) if msgs is None else self._apply(msgs, tokenize=False)
+        return prompt_of(item) if msgs is None else self._apply(msgs, tokenize=False)
 
     def ids(self, item: Any) -> list[int]:
         """The prompt's token ids (a fresh list: callers may keep or change it)."""
@@ -124,7 +134,7 @@ class PromptFormatter:
 
     def batch_ids(self, items: Sequence[Any]) -> list[list[int]]:
         """Token ids of each prompt (Examples or prompts), from the cache where it has them."""
-        prompts = [_prompt_of(x) for x in items]
+        prompts = [prompt_of(x) for x in items]
         keys = [_key(p) for p in prompts]
         out: list[list[int] | None] = [None] * len(prompts)
         todo: list[int] = []
@@ -206,8 +216,8 @@ class PromptFormatter:
         tail = text[at + len(_CONTENT_MARK):] if at >= 0 else ""
         ids = [int(t) for t in self.tokenizer(tail, add_special_tokens=False)["input_ids"]] if tail else []
         eos = self.tokenizer.eos_token_id
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        special |= set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {})
+        special = set(self.tokenizer.all_special_ids or [])
+        special |= set(self.tokenizer.added_tokens_decoder or {})
         for j, t in enumerate(ids):
             if t == eos or t in special:
                 return ids[:j + 1], (None if t == eos else t)
@@ -228,7 +238,7 @@ class PromptFormatter:
 def check_prompt_kind(item: Any, chat: ChatConfig | None) -> None:
     """A chat-message prompt with `data.chat` disabled is an error (one line naming the setting) — checkable
     before any tokenizer is loaded."""
-    prompt = _prompt_of(item)
+    prompt = prompt_of(item)
     if not isinstance(prompt, str) and not (chat is not None and chat.enabled):
         _messages_need_chat(item, prompt)
 
@@ -239,7 +249,7 @@ def _messages_need_chat(item: Any, prompt: Any):
 
 
 def _where(item: Any) -> str:
-    tid = getattr(item, "teacher_id", None)
+    tid = item.teacher_id if isinstance(item, HasTeacherId) else None
     return f"domain '{tid}': " if tid else ""
 
 
@@ -265,8 +275,9 @@ def _read_template(path: str) -> str:
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
+        why = (e.strerror if isinstance(e, OSError) else None) or e
         raise ConfigError(f"data.chat.chat_template: cannot read '{p}' ({type(e).__name__}: "
-                          f"{getattr(e, 'strerror', None) or e}) — give the path of a UTF-8 Jinja template file"
+                          f"{why}) — give the path of a UTF-8 Jinja template file"
                           ) from None
     if not text.strip():
         raise ConfigError(f"data.chat.chat_template: '{p}' is empty — give a Jinja chat template")

@@ -50,8 +50,8 @@ def add_lora(model, cfg):
     from ..errors import ConfigError
 
     try:
-        return inject_adapter_in_model(peft_config(cfg, getattr(model, "name_or_path", None)), model,
-                                       adapter_name=_ADAPTER)
+        name = getattr(model, "name_or_path", None)  # lib: transformers (a module built in memory has none)
+        return inject_adapter_in_model(peft_config(cfg, name), model, adapter_name=_ADAPTER)
     except ValueError as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ConfigError(f"lora.target_modules={cfg.target_modules}: {first} — name modules of the model "
@@ -114,7 +114,7 @@ def merged_copy(model):
     for name, layer in lora_layers(out).items():  # PEFT's unload, without merging into the trained model
         parent, _, child = name.rpartition(".")
         setattr(out.get_submodule(parent) if parent else out, child, layer.get_base_layer())
-    if hasattr(out, "peft_config"):
+    if hasattr(out, "peft_config"):  # lib: peft
         del out.peft_config
     out.requires_grad_(False).eval()
     refresh_merged(out, model)
@@ -184,7 +184,7 @@ def load_adapter(model, adapter_dir: str | Path) -> None:
                          f"tensors, {len(want)} expected) — resume with the lora settings it was trained with or "
                          "restart the stage (`--restart`)")
     res = set_peft_model_state_dict(model, sd, adapter_name=_ADAPTER)
-    bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
+    bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]  # lib: torch/peft load results
     if bad:
         raise ModelError(f"the adapter in '{adapter_dir}' has tensors the model lacks ({bad[0]}, …) — restart the "
                          "stage (`--restart`)")

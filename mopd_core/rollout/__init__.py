@@ -19,8 +19,8 @@ import torch
 
 from ..errors import DataError
 from ..algorithms.logprobs import LogitTransform, logits_scores, token_logprobs
-from ..models import forward, last_hidden_state, logit_transform, unwrap
-from ..models.chat import formatter_for, preview
+from ..models import forward, generation_config, last_hidden_state, logit_transform, unwrap
+from ..models.chat import prompt_of, formatter_for, preview
 
 log = logging.getLogger("mopd")
 
@@ -79,6 +79,9 @@ class CompletionScores:
     topk_logp: torch.Tensor | None = None     # [B,T,k] detached
     support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
     hidden: torch.Tensor | None = None        # [N,H] final hidden states of the N real completion positions, row-major
+
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return self.logp, self.entropy, self.topk_ids, self.topk_logp, self.support_logp, self.hidden
 
 
 _BLOCK_MASK_WARN = 2**28  # elements of a block-diagonal mask (bool: 256 MiB) past which packing warns
@@ -151,8 +154,7 @@ def score_completions(model, batch: RolloutBatch, temperature: float = 1.0, *, i
         parts.append(_score_rows(model, sub, temperature, impl, entropy, top_k, sup, packed, hidden))
     if len(parts) == 1:
         return parts[0]
-    return CompletionScores(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
-                              for f in ("logp", "entropy", "topk_ids", "topk_logp", "support_logp", "hidden")))
+    return CompletionScores(*(None if col[0] is None else torch.cat(col) for col in zip(*(p.fields() for p in parts))))
 
 
 def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, support_ids,
@@ -184,7 +186,7 @@ def _score_rows(model, sub: RolloutBatch, temperature, impl, entropy, top_k, sup
 
 def _score_packed(model, sub: RolloutBatch, mask, temperature, impl, support_ids, kw,
                   want_hidden: bool = False) -> CompletionScores:
-    flash = getattr(unwrap(model).config, "_attn_implementation", None) == "flash_attention_2"
+    flash = unwrap(model).config._attn_implementation == "flash_attention_2"
     pk = pack_rows(sub, block_mask=not flash)
     targets = sub.completion_ids[mask]
     sup = None if support_ids is None else support_ids[mask]
@@ -235,7 +237,7 @@ def encode_prompts(tokenizer, prompts: Sequence[Any], device, max_prompt_tokens:
         for p, e in zip(prompts, enc):
             if len(e) > max_prompt_tokens:
                 raise DataError(f"prompt of {len(e)} tokens exceeds data.max_prompt_tokens={max_prompt_tokens}:"
-                                f" {preview(getattr(p, 'prompt', p))!r}… — raise data.max_prompt_tokens or shorten "
+                                f" {preview(prompt_of(p))!r}… — raise data.max_prompt_tokens or shorten "
                                 "the prompt")
     P = max(len(e) for e in enc)
     pad = tokenizer.pad_token_id
@@ -424,7 +426,7 @@ class HFRollout(RolloutEngine):
 
     def stop_ids(self) -> list[int]:
         """EOS, the sampled model's generation-config eos ids, and the chat template's end-of-turn token."""
-        return self.formatter.stop_ids(getattr(unwrap(self.model), "generation_config", None), self.tokenizer)
+        return self.formatter.stop_ids(generation_config(self.model), self.tokenizer)
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,

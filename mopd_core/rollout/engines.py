@@ -72,13 +72,17 @@ from typing import Any, Sequence
 
 import torch
 
+from ..config import RecipeConfig, RolloutConfig, TeachersConfig
 from ..errors import PlacementError
 from ..runtime import device as devlib
 from ..weights import DEFAULT_BUCKET_BYTES, InProcessTransport, make_transport
 from ..weights.buckets import Bucket, PackedBuckets, allocate, plan_buckets
+from ..models import generation_config
 from ..models.chat import formatter_for
 from ..models.lora import export_state_dict
 from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
+from .requests import request_seeds, sampling_kwargs
+from .served import ServedRollout
 
 BACKENDS = ("hf", "hf_graphed", "vllm", "served")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
@@ -109,69 +113,55 @@ def check_vllm_backend(device: torch.device | str) -> None:
         raise RolloutBackendError(f"rollout.backend=vllm cannot run here: {'; '.join(problems)} — {_VLLM_FIX}")
 
 
-def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_tokens: int | None = None,
-                  **vllm_kwargs):
+def build_rollout(recipe_or_rollout_cfg: RecipeConfig | RolloutConfig, model, tokenizer, device,
+                  max_prompt_tokens: int | None = None, **vllm_kwargs):
     """The rollout engine for `rollout.backend`.
 
-    `recipe_or_rollout_cfg`: a `RecipeConfig` (its `rollout`, `seed` and `data.max_prompt_tokens` are used) or
-    a `RolloutConfig`. `hf` → `HFRollout` over the trainer's `model`; `vllm` → `VllmRollout` (vLLM model len =
-    max_prompt_tokens + rollout.max_new_tokens). Optional vLLM settings are read from the rollout config when
-    it has them (`gpu_memory_utilization`, `enable_sleep_mode`, `sleep_level`, `engine_process`,
-    `weight_transport`, `bucket_bytes`, `load_format`, `enforce_eager`) and can be passed as keywords. Prompts
-    are rendered and generation stops as the recipe's `data.chat` says (`models.chat`; a `chat=` keyword
-    overrides it: a `ChatConfig` or a `PromptFormatter`)."""
-    cfg = getattr(recipe_or_rollout_cfg, "rollout", recipe_or_rollout_cfg)
-    data = getattr(recipe_or_rollout_cfg, "data", None)
-    if max_prompt_tokens is None and data is not None:
-        max_prompt_tokens = data.max_prompt_tokens
+    `recipe_or_rollout_cfg`: a `RecipeConfig` (its `rollout`, `seed`, `runtime.dtype`, `teachers` (the served
+    backend's python, start-up and KV cache) and `data.max_prompt_tokens`/`data.chat` are used) or a
+    `RolloutConfig`. `hf` → `HFRollout` over the trainer's `model`; `vllm` → `VllmRollout` (vLLM model len =
+    max_prompt_tokens + rollout.max_new_tokens; `rollout.gpu_memory_utilization`, `sleep_level` and
+    `engine_process` from the config, any other `VllmRollout` option as a keyword). Prompts are rendered and
+    generation stops as the recipe's `data.chat` says (`models.chat`; a `chat=` keyword overrides it: a
+    `ChatConfig` or a `PromptFormatter`)."""
+    recipe = recipe_or_rollout_cfg if isinstance(recipe_or_rollout_cfg, RecipeConfig) else None
+    cfg = recipe.rollout if recipe is not None else recipe_or_rollout_cfg
+    if max_prompt_tokens is None and recipe is not None:
+        max_prompt_tokens = recipe.data.max_prompt_tokens
     chat = vllm_kwargs.pop("chat", None)
-    if chat is None and data is not None:
-        chat = data.chat  # how prompts become ids and which ids stop (models.chat)
-    backend = getattr(cfg, "backend", "hf")
+    if chat is None and recipe is not None:
+        chat = recipe.data.chat  # how prompts become ids and which ids stop (models.chat)
+    backend = cfg.backend
     if backend == "hf":
-        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat,
-                         ignore_eos=getattr(cfg, "ignore_eos", False))
+        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
     if backend == "served":
-        return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
+        teachers = recipe.teachers if recipe is not None else TeachersConfig()
+        return _served(cfg, teachers, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
     if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it
         from .graphed import GraphedRollout
 
-        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat,
-                              ignore_eos=getattr(cfg, "ignore_eos", False))
+        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, ignore_eos=cfg.ignore_eos)
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)
-    kw: dict[str, Any] = {}
-    for name, key in (("gpu_memory_utilization", "gpu_memory_utilization"),
-                      ("enable_sleep_mode", "enable_sleep_mode"), ("sleep_level", "sleep_level"),
-                      ("engine_process", "engine_process"), ("weight_transport", "transport"),
-                      ("bucket_bytes", "bucket_bytes"), ("load_format", "load_format"),
-                      ("enforce_eager", "enforce_eager")):
-        val = getattr(cfg, name, None)
-        if val is not None:
-            kw[key] = val
-    seed = getattr(recipe_or_rollout_cfg, "seed", None)
-    if seed is not None:
-        kw["seed"] = seed
+    kw: dict[str, Any] = {"sleep_level": cfg.sleep_level, "engine_process": cfg.engine_process}
+    if cfg.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if recipe is not None:
+        kw["seed"] = recipe.seed
+        kw["dtype"] = recipe.runtime.dtype  # the compute dtype: the trainer's module holds float32 master weights
     if max_prompt_tokens is not None:
         kw["max_model_len"] = max_prompt_tokens + cfg.max_new_tokens
-    runtime = getattr(recipe_or_rollout_cfg, "runtime", None)
-    if runtime is not None:  # the compute dtype: the trainer's module holds float32 master weights
-        kw["dtype"] = runtime.dtype
     kw.update(vllm_kwargs)
     return VllmRollout(model, tokenizer, device, max_prompt_tokens, chat=chat, **kw)
 
 
-def _served(recipe, cfg, model, tokenizer, device, max_prompt_tokens, chat, kw):
+def _served(cfg: RolloutConfig, t: TeachersConfig, model, tokenizer, device, max_prompt_tokens, chat, kw):
     """`rollout.backend: served`: start `rollout.servers` student servers on `model_path` (the checkpoint the
-    trainer's module was loaded from) under `run_dir`; `version` = the weight version that checkpoint is."""
-    from .served import ServedRollout
-
+    trainer's module was loaded from) under `run_dir`; `version` = the weight version that checkpoint is. The
+    servers' python, start-up timeout and CPU KV cache are the teachers' (`t`)."""
     if "model_path" not in kw or "run_dir" not in kw:
         raise ValueError("rollout.backend=served needs model_path= and run_dir= (the loop passes them)")
-    from ..config import TeachersConfig
-
-    t = getattr(recipe, "teachers", None) or TeachersConfig()  # the servers' python, start-up and KV cache
     return ServedRollout.start(
         kw["model_path"], kw["run_dir"], tokenizer=tokenizer, device=device, max_prompt_tokens=max_prompt_tokens,
         max_new_tokens=cfg.max_new_tokens, servers=cfg.servers, dtype=cfg.server_dtype, python=t.serve_python,
@@ -183,16 +173,22 @@ def _served(recipe, cfg, model, tokenizer, device, max_prompt_tokens, chat, kw):
 
 
 def _worker_device(worker) -> torch.device | None:
-    dev = getattr(worker, "device", None)
+    dev = getattr(worker, "device", None)  # lib: vllm workers: the GPU worker has `device`, others only the runner's
     if dev is None:
-        dev = getattr(getattr(worker, "model_runner", None), "device", None)
+        dev = getattr(getattr(worker, "model_runner", None), "device", None)  # lib: vllm model runner
     return torch.device(dev) if dev is not None else None
 
 
 def _engine_model(worker):
     runner = worker.model_runner
-    get = getattr(runner, "get_model", None)
+    get = getattr(runner, "get_model", None)  # lib: vllm runners expose `get_model()`, older ones only `.model`
     return get() if callable(get) else runner.model
+
+
+def _hand_over_state(worker) -> dict:
+    """What this module remembers on a vLLM worker between hand-overs (the load method that worked, staged
+    tensors), kept in one dict of ours in the worker's `__dict__`."""
+    return worker.__dict__.setdefault("_mopd_hand_over", {"method": None, "staged": []})
 
 
 def _load_into_engine(worker, weights: list[tuple[str, torch.Tensor]], method: str = "auto",
@@ -203,24 +199,24 @@ def _load_into_engine(worker, weights: list[tuple[str, torch.Tensor]], method: s
     `reload_weights` — the fallback where parameters were repacked after loading — needs every weight of a layer
     in one call, so its buckets are staged (copied) on the worker until the `final` one arrives. The method that
     worked is remembered on the worker for the next hand-overs."""
-    chosen = getattr(worker, "_mopd_load_method", None) or method
+    state = _hand_over_state(worker)
+    chosen = state["method"] or method
     if chosen in ("auto", "load_weights"):
         try:
             _engine_model(worker).load_weights(weights=weights)
-            worker._mopd_load_method = "load_weights"
+            state["method"] = "load_weights"
             return "load_weights"
         except AttributeError:  # parameters repacked after loading (vLLM CPU backend): no weight_loader left
-            if chosen != "auto" or not hasattr(worker, "reload_weights"):
+            if chosen != "auto" or not hasattr(worker, "reload_weights"):  # lib: vllm (older workers lack it)
                 raise
-            chosen = worker._mopd_load_method = "reload_weights"
-    staged = getattr(worker, "_mopd_staged", None) or []
+            chosen = state["method"] = "reload_weights"
+    staged = state["staged"]
     if final and not staged:
         worker.reload_weights(weights_iterator=iter(weights))
     else:
         staged.extend((n, t.clone()) for n, t in weights)  # the sender reuses its buffers after this call
-        worker._mopd_staged = staged
         if final:
-            worker._mopd_staged = []
+            state["staged"] = []
             worker.reload_weights(weights_iterator=iter(staged))
     return chosen
 
@@ -245,27 +241,6 @@ def _engine_load(worker, transport: str, message: Any, method: str = "auto", fin
 
 
 # ---------------------------------------------------------------- the vLLM engine
-
-
-def sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float, greedy: bool, seed: int,
-                    stop_ids: Sequence[int], top_k: int = 0, min_p: float = 0.0) -> dict:
-    """The `vllm.SamplingParams` of one request: one sample, behaviour log-prob of the sampled token, every stop
-    id (vLLM keeps the stop token in the output, like `HFRollout`'s mask), no detokenisation. top_k / min_p are
-    passed only when set (vLLM's "off" value of top_k changed from -1 to 0 across versions)."""
-    kw = dict(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-              top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, stop_token_ids=list(stop_ids),
-              detokenize=False)
-    if top_k > 0 and not greedy:
-        kw["top_k"] = int(top_k)
-    if min_p > 0.0 and not greedy:
-        kw["min_p"] = float(min_p)
-    return kw
-
-
-def _request_seeds(n: int, generator: torch.Generator | None) -> list[int]:
-    if generator is None:
-        return torch.randint(0, 2**31 - 1, (n,)).tolist()
-    return torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist()
 
 
 class VllmRollout(RolloutEngine):
@@ -318,13 +293,13 @@ class VllmRollout(RolloutEngine):
         except Exception as e:  # not installed, or a build that does not match this torch/driver
             raise RolloutBackendError(f"rollout.backend=vllm: `import vllm` failed ({type(e).__name__}: "
                                       f"{str(e).splitlines()[0] if str(e) else ''}) — {_VLLM_FIX}") from None
-        disable = getattr(vllm_envs, "disable_envs_cache", None)
+        disable = getattr(vllm_envs, "disable_envs_cache", None)  # lib: vllm ≥ 0.11 caches env reads
         if disable is not None:  # a previous in-process engine froze vLLM's env reads; ours must be seen
             disable()
         self._SamplingParams = vllm.SamplingParams
 
-        path = model_path or getattr(model, "name_or_path", None) or getattr(
-            getattr(model, "config", None), "_name_or_path", None)
+        path = model_path or getattr(model, "name_or_path", None) or getattr(  # lib: transformers (either name)
+            getattr(model, "config", None), "_name_or_path", None)  # lib: transformers
         if not path:
             raise ValueError("VllmRollout needs a checkpoint to start the engine from: the model has no "
                              "name_or_path — pass model_path=<save_pretrained dir>")
@@ -425,8 +400,7 @@ class VllmRollout(RolloutEngine):
     def stop_ids(self) -> list[int]:
         """EOS, the trainer module's generation-config eos ids, and the chat template's end-of-turn token — vLLM
         starts with `skip_tokenizer_init` and `generation_config="vllm"`, so these are the only stops it knows."""
-        return self.formatter.stop_ids(getattr(getattr(self.model, "module", self.model), "generation_config", None),
-                                       self.tokenizer)
+        return self.formatter.stop_ids(generation_config(self.model), self.tokenizer)
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
@@ -440,7 +414,7 @@ class VllmRollout(RolloutEngine):
         ids, mask = encode_prompts(tok, examples, self.device, self.max_prompt_tokens, formatter=self.formatter)
         ids_c, mask_c = ids.cpu(), mask.cpu()
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids_c, mask_c)]
-        seeds = _request_seeds(len(examples), generator)
+        seeds = request_seeds(len(examples), generator)
         stops = self.stop_ids()
         params = [self._SamplingParams(**sampling_kwargs(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=int(s),
@@ -461,7 +435,7 @@ class VllmRollout(RolloutEngine):
         """Shut the engine down and give its memory back (best effort: vLLM keeps some process state). With
         sleep mode the memory is released through a level-2 sleep first — the engine's pool would otherwise
         stay mapped in this process."""
-        llm = getattr(self, "llm", None)
+        llm = self.llm
         if llm is None:
             return
         if self.enable_sleep_mode:
@@ -472,9 +446,9 @@ class VllmRollout(RolloutEngine):
             except Exception:
                 pass
         self.llm = None
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)  # lib: vllm V1 engine core
         try:
-            if core is not None and hasattr(core, "shutdown"):
+            if core is not None and hasattr(core, "shutdown"):  # lib: vllm (in-process cores have no shutdown)
                 core.shutdown()
         except Exception:
             pass

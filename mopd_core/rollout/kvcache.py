@@ -70,7 +70,7 @@ def preallocated_cache(model, capacity: int):
     width + max_new_tokens); None when the model's cache layers are of another kind only (the caller then lets the
     model build its own cache)."""
     cache_cls, dyn = _dynamic_classes()
-    cfg = getattr(model, "config", None)
+    cfg = getattr(model, "config", None)  # lib: transformers models carry `config`; a bare nn.Module has none
     try:
         cache = cache_cls(config=cfg)
     except Exception:  # a config transformers cannot read layer types from: its own cache

@@ -5,8 +5,8 @@
     engine.sync_weights(model_or_state_dict, version=s)                  # the trainer's weights land on every server
     engine.close()                                                       # stops every server it started
 
-The servers are started, health-checked, supervised and stopped by the same `teachers.serving.TeacherServers`
-as the teacher servers (one lifecycle; `role="student server"`), in vLLM's dev mode (`VLLM_SERVER_DEV_MODE=1`),
+The servers are started, health-checked, supervised and stopped by the same `serving.VllmServers` as the teacher
+servers (one lifecycle; `role="student server"`), in vLLM's dev mode (`VLLM_SERVER_DEV_MODE=1`),
 which adds the RL endpoints used here.
 
 **Weights** (the "safetensors file" transport on CPU): `sync_weights` writes the weights once as an HF checkpoint
@@ -48,8 +48,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import InfraError, MopdError
+from ..models import generation_config, unwrap
 from ..models.chat import formatter_for
+from ..models.lora import export_state_dict
+from ..serving import VllmServers, required_max_model_len
 from . import RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
+from .requests import request_seeds, sampling_kwargs
 
 log = logging.getLogger("mopd.rollout")
 
@@ -103,14 +107,11 @@ class _RWLock:
 def _state_dict(model_or_sd) -> Mapping[str, torch.Tensor]:
     if isinstance(model_or_sd, Mapping):
         return model_or_sd
-    from ..models.lora import export_state_dict
-
-    m = getattr(model_or_sd, "module", model_or_sd)
-    return export_state_dict(m)  # a LoRA policy's merged weights: the servers load a plain HF model
+    return export_state_dict(unwrap(model_or_sd))  # a LoRA policy's merged weights: the servers load a plain HF model
 
 
 class ServedRollout(RolloutEngine):
-    """The student sampled on vLLM servers (`servers`: a started `TeacherServers` with role "student server";
+    """The student sampled on vLLM servers (`servers`: a started `VllmServers` with role "student server";
     `close` stops it when `owns_servers`). `model`: the trainer's module (generation config for the stop ids,
     the source of `sync_weights(None)`); `version`: the weight version the servers hold now."""
 
@@ -160,10 +161,8 @@ class ServedRollout(RolloutEngine):
               version: int = 0, **kw) -> "ServedRollout":
         """Start `servers` vLLM servers on `checkpoint` under `run_dir` (logs in `run_dir/logs/`) and return the
         engine over them; the servers are stopped again if anything fails."""
-        from ..teachers.serving import TeacherServers, required_max_model_len
-
         run_dir = Path(run_dir)
-        ts = TeacherServers({f"student-{i}": checkpoint for i in range(servers)}, run_dir,
+        ts = VllmServers({f"student-{i}": checkpoint for i in range(servers)}, run_dir,
                             max_seq_len=required_max_model_len(max_prompt_tokens, max_new_tokens) - 1,
                             python=python, max_logprobs=1, dtype=dtype, startup_timeout_s=startup_timeout_s,
                             restarts=restarts, kv_cache_gib=kv_cache_gib, extra_args=SERVER_ARGS, env=SERVER_ENV,
@@ -316,19 +315,16 @@ class ServedRollout(RolloutEngine):
     # -- sampling --------------------------------------------------------------------------------------------
     def stop_ids(self) -> list[int]:
         """As `VllmRollout`: EOS, the generation config's eos ids, the chat template's end-of-turn token."""
-        gc = getattr(getattr(self.model, "module", self.model), "generation_config", None)
-        return self.formatter.stop_ids(gc, self.tokenizer)
+        return self.formatter.stop_ids(generation_config(self.model), self.tokenizer)
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
                  batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
-        from .engines import _request_seeds, sampling_kwargs
-
         del batch_size  # the servers batch by themselves
         examples = list(examples)
         ids, mask = encode_prompts(self.tokenizer, examples, "cpu", self.max_prompt_tokens, formatter=self.formatter)
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        seeds = _request_seeds(len(examples), generator)
+        seeds = request_seeds(len(examples), generator)
         stops = self.stop_ids()
 
         def body(i: int) -> dict:
@@ -365,12 +361,10 @@ class ServedRollout(RolloutEngine):
 
     def close(self) -> None:
         """Release the client; stop the servers this engine started. Idempotent."""
-        pool, self._pool = getattr(self, "_pool", None), None
+        pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        client = getattr(self, "_client", None)
-        if client is not None:
-            client.close()
+        self._client.close()  # idempotent
         if self.owns_servers:
             self.servers.stop()
 

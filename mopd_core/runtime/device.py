@@ -127,6 +127,19 @@ def handover_transport(kind: str, same_process: bool) -> str:
     return "cuda_ipc" if ipc_supported(kind) else "shared_memory"
 
 
+# The Ray resource that names each device kind (a worker's bundle asks for one, `get_accelerator_ids` keys by it).
+RAY_RESOURCE = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
+
+
+def cluster_transport(kind: str) -> str:
+    """The default weight transport of a Ray cluster (`distributed.cluster`: training rank 0 → every rollout
+    instance). On an accelerator the trainer on an instance's own bundle sends, a hand-over between two processes
+    on one device: `handover_transport(kind, same_process=False)` (cuda_ipc, or shared_memory on npu). On cpu a
+    `collective` broadcast over the weights group instead: the instances need not share the trainer's host (host
+    shared memory would need that), and gloo's broadcast costs a CPU nothing a device copy would save."""
+    return "collective" if kind == "cpu" else handover_transport(kind, same_process=False)
+
+
 def current_index(kind: str) -> int:
     if kind == "cuda":
         return torch.cuda.current_device()
@@ -313,7 +326,7 @@ def graphs_supported(kind: str) -> bool:
     mod = _module(kind)
     if mod is None:
         return False
-    return hasattr(mod, "CUDAGraph" if kind == "cuda" else "NPUGraph")
+    return hasattr(mod, "CUDAGraph" if kind == "cuda" else "NPUGraph")  # lib: torch.cuda / torch_npu builds
 
 
 def capture_graph(kind: str, fn, warmup: int = 1):

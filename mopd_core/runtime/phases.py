@@ -159,6 +159,24 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     return need
 
 
+@contextmanager
+def _unloading(teacher):
+    try:
+        yield
+    finally:
+        teacher.unload()
+
+
+@contextmanager
+def teacher_turn(teacher):
+    """The one place an in-process teacher's weights move: onto the device for its turn, back when it has scored
+    (`unload` keeps them with `teachers.offload: false`). Entered by `PhaseScheduler.teacher`, and by the router
+    for a caller without a scheduler (the asynchronous pipeline's scorer, a teacher on a training worker)."""
+    teacher.load()
+    with _unloading(teacher):
+        yield
+
+
 class PhaseScheduler:
     """Runs the loop's phases, offloading what the next phase does not need (colocated) and recording memory.
 
@@ -246,12 +264,15 @@ class PhaseScheduler:
     @contextmanager
     def teacher(self, name: str):
         """One teacher's turn (entered by the router around each in-process teacher): it is loaded first, so the
-        start record shows it resident next to the student; it unloads itself when it has scored."""
+        start record shows it resident next to the student, and unloaded before the end record."""
         t = self.teachers.teachers[name] if self.teachers is not None else None
-        if t is not None:
-            t.load()
-        with self.phase("score", teacher=name):
-            yield
+        if t is None:
+            with self.phase("score", teacher=name):
+                yield
+        else:
+            t.load()  # outside the phase: the start record shows it resident
+            with self.phase("score", teacher=name), _unloading(t):
+                yield
         loaded = self._loaded_teachers()
         if self.colocated and len(loaded) > 1:  # a teacher kept its weights: the memory plan no longer holds
             log.warning("colocated: %d teachers resident at once (%s) — teachers.offload is off?", len(loaded),

@@ -14,7 +14,7 @@ import hashlib
 from pathlib import Path
 
 from ..config import RecipeConfig, stage_fingerprint
-from ..domains.base import kind_results_version
+from ..domains.build import kind_results_version
 from ..runtime import device as devlib
 from .folder import model_identity, output_identity
 

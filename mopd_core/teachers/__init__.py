@@ -1,15 +1,15 @@
 """Teachers: scorers behind one interface and the router that turns per-teacher scores into ℓᵀ.
 
 A scorer implements `score(batch, top_k=0) -> TeacherScore`: the teacher's log-prob of every sampled
-completion token (and optionally its top-k), on the batch's device. `local` keeps the model in-process
-(offloaded to CPU memory between calls); the `http` backend (vLLM servers) plugs in behind the same interface.
+completion token (and optionally its top-k), on the batch's device, and declares what else it can do
+(`Teacher.scores_any_ids`, `Teacher.gives_hidden`). `local` keeps the model in-process (offloaded to CPU memory
+between turns — `runtime.phases` moves it); the `http` backend (vLLM servers) plugs in behind the same interface.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from ..errors import TeacherError  # noqa: F401 - teachers.TeacherError stays th
 from ..models import (check_same_tokenizer, load_model, load_tokenizer, logit_transform, tokenizer_fingerprint,
                       unwrap)
 from ..rollout import RolloutBatch, score_completions
+from ..runtime.phases import teacher_turn
 
 
 @dataclass
@@ -43,16 +44,19 @@ class TeacherHead:
 
 class Teacher:
     """What the router, the phase scheduler and the loop ask of a scorer (`LocalTeacher`, `http.HttpTeacher`):
-    `name`, `path` (for messages), the tokenizer `fingerprint`, counters `stats`, and `score`. The defaults
-    describe a teacher whose model lives elsewhere (a server): nothing in this process to load, count or keep
-    resident; `close` releases what it holds here (clients, pools)."""
+    `name`, `path` (for messages), the tokenizer `fingerprint`, counters `stats`, `score`, and what it can do
+    beside scoring the sampled tokens and their top-k (the flags below: the router asks them, never probes). The
+    defaults describe a teacher whose model lives elsewhere (a server): nothing in this process to load, count or
+    keep resident; `close` releases what it holds here (clients, pools)."""
 
     name: str
     path: str
     stats: dict
     fingerprint: str | None = None
     in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
+    scores_top_k = True  # `score(..., top_k=k)`: its own k most likely ids and their log-probs (kd_loss=jsd, …)
     scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)
+    gives_hidden = False  # `hidden(batch, device)`: final hidden states and lm_head (kd_loss=full_jsd)
     param_bytes = 0     # bytes of those weights
 
     @property
@@ -61,10 +65,11 @@ class Teacher:
         return False
 
     def load(self) -> None:
-        """Bring the weights to the device before a turn (no-op without in-process weights)."""
+        """Bring the weights to the device before a turn (no-op without in-process weights). Called by the phase
+        scheduler only (`runtime.phases.teacher_turn`)."""
 
     def unload(self) -> None:
-        """Give the device memory back after a turn (no-op without in-process weights)."""
+        """Give the device memory back after a turn (no-op without in-process weights); the phase scheduler's."""
 
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
         """Log-probs of the sampled tokens (+ top-k). A scorer that can score arbitrary ids takes a keyword
@@ -72,15 +77,25 @@ class Teacher:
         return the sampled token and the top-k only)."""
         raise NotImplementedError
 
+    def hidden(self, batch: RolloutBatch, device) -> tuple[TeacherScore, torch.Tensor, TeacherHead]:
+        """`score` plus the final hidden states and the head that projects them (only where `gives_hidden`)."""
+        raise NotImplementedError
+
+    def placement(self) -> dict | None:
+        """Where its weights run when that is another process of this stage (a training worker), else None."""
+        return None
+
     def close(self) -> None:
         """Release what the scorer holds in this process; a server it talks to is not touched."""
 
 
 class LocalTeacher(Teacher):
-    """In-process teacher. With `offload`, weights live in CPU memory and visit the device only to score."""
+    """In-process teacher. With `offload`, weights live in CPU memory and visit the device only for a turn
+    (`runtime.phases.teacher_turn` loads and unloads them around `score`/`hidden`)."""
 
     in_process = True
     scores_any_ids = True
+    gives_hidden = True
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None,
@@ -120,13 +135,9 @@ class LocalTeacher(Teacher):
     @torch.no_grad()
     def score(self, batch: RolloutBatch, top_k: int = 0, support_ids: torch.Tensor | None = None) -> TeacherScore:
         t0 = time.perf_counter()
-        self.load()
-        try:
-            sc = score_completions(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
-                                   micro_batch_size=self.batch_size, support_ids=support_ids)
-            out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp, sc.support_logp)
-        finally:
-            self.unload()
+        sc = score_completions(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
+                               micro_batch_size=self.batch_size, support_ids=support_ids)
+        out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp, sc.support_logp)
         self._count(batch, t0)
         return out
 
@@ -141,18 +152,14 @@ class LocalTeacher(Teacher):
         that projects them, on `device`, from the same forward (kd_loss=full_jsd: the divergence is taken over the
         whole vocabulary, chunked)."""
         t0 = time.perf_counter()
-        self.load()
-        try:
-            sc = score_completions(self.model, batch, self.temperature, impl="chunked",
-                                   micro_batch_size=self.batch_size, hidden=True)
-            head = unwrap(self.model).get_output_embeddings()
-            softcap, scale = logit_transform(self.model)
-            # a copy when the weights leave the device after the turn: the update projects through it later
-            w = head.weight.detach().to(device, copy=self._moves)
-            bias = None if head.bias is None else head.bias.detach().to(device, copy=self._moves)
-            out = TeacherScore(sc.logp), sc.hidden.to(device), TeacherHead(w, bias, scale, softcap, self.temperature)
-        finally:
-            self.unload()
+        sc = score_completions(self.model, batch, self.temperature, impl="chunked",
+                               micro_batch_size=self.batch_size, hidden=True)
+        head = unwrap(self.model).get_output_embeddings()
+        softcap, scale = logit_transform(self.model)
+        # a copy when the weights leave the device after the turn: the update projects through it later
+        w = head.weight.detach().to(device, copy=self._moves)
+        bias = None if head.bias is None else head.bias.detach().to(device, copy=self._moves)
+        out = TeacherScore(sc.logp), sc.hidden.to(device), TeacherHead(w, bias, scale, softcap, self.temperature)
         self._count(batch, t0)
         return out
 
@@ -224,8 +231,12 @@ class TeacherRouter:
         servers, so their requests run at the same time — 3 teachers cost about as long as the slowest one.
         `supports`: per job the ids `[n,T,S]` whose log-probs to return too (None: none)."""
         supports = supports or [None] * len(jobs)
+        for n, _ in jobs:
+            if top_k and not self.teachers[n].scores_top_k:
+                raise TeacherError(f"teacher '{n}' cannot return its top-{top_k} log-probs; use another teacher "
+                                   "backend or a kd_loss that needs only the sampled token")
         for (n, _), sup in zip(jobs, supports):
-            if sup is not None and not getattr(self.teachers[n], "scores_any_ids", False):
+            if sup is not None and not self.teachers[n].scores_any_ids:
                 raise TeacherError(f"teacher '{n}' cannot score the student's candidate tokens (a vLLM server's "
                                    "prompt_logprobs return the sampled token and its own top-k only); use a local "
                                    "teacher or mopd.kd_candidates=teacher")
@@ -239,7 +250,7 @@ class TeacherRouter:
                 return [f.result() for f in futs]  # every future finishes before the pool exits
         out = []
         for (n, b), sup in zip(jobs, supports):
-            with (visit(n) if visit is not None else nullcontext()):
+            with self._turn(n, visit):
                 out.append(one(n, b, sup))
         return out
 
@@ -311,15 +322,20 @@ class TeacherRouter:
             if not rows.numel():
                 continue
             t = self.teachers[name]
-            if not hasattr(t, "hidden"):
+            if not t.gives_hidden:
                 raise TeacherError(f"mopd.kd_loss=full_jsd needs local teachers (teachers.backend=local): teacher "
                                    f"'{name}' cannot return hidden states")
-            with (visit(name) if visit is not None else nullcontext()):
+            with self._turn(name, visit):
                 sc, h, head = t.hidden(batch.select(rows), dev)
             logp[rows] = sc.logp.to(dev)
             per[name] = (rows, sc.logp.to(dev))
             out[name] = (rows, h, head)
         return RoutedScore(logp, index, seconds=time.perf_counter() - t0, per_teacher=per), out
+
+    def _turn(self, name: str, visit):
+        """An in-process teacher's turn: the caller's `visit(name)` (the phase scheduler's, which records memory
+        too), else a bare `teacher_turn` — either way `runtime.phases` loads and unloads the weights."""
+        return visit(name) if visit is not None else teacher_turn(self.teachers[name])
 
     def stats(self) -> dict[str, dict]:
         return {n: dict(t.stats) for n, t in self.teachers.items()}

@@ -11,7 +11,7 @@ Failure policy (one line each, naming the teacher):
   then `TeacherUnavailable` (an `InfraError`: Prefect retries the stage, which resumes);
 - HTTP 4xx: at once, never retried — `TeacherRequestError` (a `MopdError`) with the server's message (a sequence
   over max-model-len names the length and the server's limit);
-- server process gone (a `supervisor` from `serving.TeacherServers` says so): restart it (bounded) and re-score
+- server process gone (a `supervisor` from `serving.VllmServers` says so): restart it (bounded) and re-score
   the whole batch — a batch never gets a partial teacher signal;
 - an endpoint that does not answer at all when the router is built (pre-flight): `TeacherError` — a wrong URL
   or a server not started is the user's to fix.
@@ -30,9 +30,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..errors import InfraError
 from ..models import ModelError, load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch
+from ..serving import ServerUnavailable, Supervisor
 from . import Teacher, TeacherError, TeacherRouter, TeacherScore
 
 # Text whose ids must match between the student tokenizer and every teacher server (`POST /tokenize`):
@@ -41,9 +41,9 @@ PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 37+45= so
               "upper:abcd= rep3:ab= !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
-class TeacherUnavailable(InfraError):
-    """A teacher server did not answer (after retries) — transient failures exhausted or the process died, its
-    restarts spent. Infrastructure, not the user's input: Prefect retries the stage (it resumes)."""
+# A teacher server did not answer (after retries and restarts): one class with the supervisor's own error, so a
+# restart refused by `VllmServers` and a request given up here are caught alike.
+TeacherUnavailable = ServerUnavailable
 
 
 class TeacherRequestError(TeacherError):
@@ -58,33 +58,6 @@ def _is_loopback(url: str) -> bool:
 def _one_line(text: str, limit: int = 300) -> str:
     s = " ".join(str(text).split())
     return s if len(s) <= limit else s[:limit] + "…"
-
-
-class Supervisor:
-    """What an `HttpTeacher` asks of the process that runs its server (`serving.TeacherServers`): whether the
-    server died or hangs, and to kill or restart it (which may move it to another URL)."""
-
-    def manifest(self) -> dict[str, dict]:
-        raise NotImplementedError
-
-    def url_of(self, teacher_id: str) -> str | None:
-        raise NotImplementedError
-
-    def log_of(self, teacher_id: str) -> str | None:
-        raise NotImplementedError
-
-    def is_dead(self, teacher_id: str) -> bool:
-        raise NotImplementedError
-
-    def is_hung(self, teacher_id: str, timeout_s: float = 10.0) -> bool:
-        raise NotImplementedError
-
-    def kill_hung(self, teacher_id: str) -> None:
-        raise NotImplementedError
-
-    def restart(self, teacher_id: str) -> str:
-        """Start the teacher's server again; returns its URL."""
-        raise NotImplementedError
 
 
 class HttpTeacher(Teacher):
@@ -361,10 +334,11 @@ def load_manifest(path: str | Path) -> dict[str, dict]:
 
 
 def _entries(endpoints_or_manifest) -> tuple[dict[str, dict], Any]:
-    """Normalise `{id: url}`, `{id: {url, …}}`, a manifest path or a `TeacherServers` into entries + supervisor."""
+    """Normalise `{id: url}`, `{id: {url, …}}`, a manifest path or a `serving.VllmServers` into entries and
+    supervisor."""
     supervisor = None
     src = endpoints_or_manifest
-    if isinstance(src, Supervisor):  # serving.TeacherServers
+    if isinstance(src, Supervisor):  # serving.VllmServers
         supervisor, src = src, src.manifest()
     elif isinstance(src, (str, Path)):
         src = load_manifest(src)
@@ -388,7 +362,7 @@ def build_http_router(endpoints_or_manifest, cfg, student_tokenizer, *, supervis
     max-model-len > `max_seq_len` (the student's prompt + completion budget) when given.
 
     `endpoints_or_manifest`: `{teacher_id: url}`, a manifest `{teacher_id: {url, model, fingerprint, max_model_len,
-    checkpoint, …}}` (dict or JSON path) or a `serving.TeacherServers` (which also supervises restarts).
+    checkpoint, …}}` (dict or JSON path) or a `serving.VllmServers` (which also supervises restarts).
     `cfg` is a TeachersConfig."""
     from ..models import check_same_tokenizer
 

@@ -108,16 +108,16 @@ def run_flow(op: dict) -> dict:
 
 
 def vllm_procs(op: dict) -> dict:
-    """Inside the driver process, before it exits (and before serving.py's atexit safety net could stop
-    anything): the live vLLM processes whose command line mentions `needle`, and the TeacherServers objects
-    still registered as running."""
+    """Inside the driver process, before it exits (and before serving/servers.py's atexit safety net could stop
+    anything): the live vLLM processes whose command line mentions `needle`, and the server groups
+    (`serving.VllmServers`) still registered as running."""
     from tests.e2e.helpers import vllm_processes
 
     out = {"procs": vllm_processes(op["needle"])}
     try:
-        from mopd_core.teachers import serving
+        from mopd_core import serving
 
-        out["registered"] = len(serving._LIVE)
+        out["registered"] = len(serving.live_groups())
     except Exception as e:  # noqa: BLE001
         out["registered_error"] = str(e)
     return out

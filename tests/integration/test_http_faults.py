@@ -175,7 +175,7 @@ def test_served_teacher_with_other_tokenizer_fails_before_any_server(world, tmp_
 
 def test_unreachable_endpoint_fails_in_seconds(world, tmp_path):
     from mopd_core.teachers import TeacherError
-    from mopd_core.teachers.serving import free_port
+    from mopd_core.serving import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     cfg = _cfg(tmp_path, f"teachers.endpoints={{math: '{url}', if: '{url}'}}")
@@ -272,9 +272,9 @@ EXT_MAX_SEQ = 16  # the server's max-model-len is 17; the tiny preset's student 
 def ext(world):
     """An external endpoint: a server the stage did not start (no student fingerprint: only the /tokenize probe
     can tell its tokenizer), serving the other-vocabulary model with a small max-model-len."""
-    from mopd_core.teachers.serving import TeacherServers
+    from mopd_core.serving import VllmServers
 
-    ts = TeacherServers({"ext": world["other"]}, world["dir"] / "ext", max_seq_len=EXT_MAX_SEQ, python=VLLM_PY,
+    ts = VllmServers({"ext": world["other"]}, world["dir"] / "ext", max_seq_len=EXT_MAX_SEQ, python=VLLM_PY,
                         max_logprobs=8, restarts=0, startup_timeout_s=600)
     with ts:
         yield ts.manifest()["ext"]["url"]

@@ -82,9 +82,9 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(world):
     from mopd_core.models import tokenizer_fingerprint
-    from mopd_core.teachers.serving import TeacherServers
+    from mopd_core.serving import VllmServers
 
-    ts = TeacherServers({"m0": world["m0"], "m1": world["m1"]}, world["dir"] / "serve", max_seq_len=MAX_SEQ,
+    ts = VllmServers({"m0": world["m0"], "m1": world["m1"]}, world["dir"] / "serve", max_seq_len=MAX_SEQ,
                         python=VLLM_PY, max_logprobs=8, restarts=1, startup_timeout_s=600,
                         student_fingerprint=tokenizer_fingerprint(world["tok"]))
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def servers(world):
 
 
 def _group_alive(pgid: int) -> bool:
-    from mopd_core.teachers.serving import _alive_group  # the same check the server supervisor uses
+    from mopd_core.serving.servers import _alive_group  # the same check the server supervisor uses
 
     return _alive_group(pgid)
 
@@ -131,7 +131,7 @@ def test_manifest_names_every_server(servers, world):
         assert e["pid"] and _group_alive(e["pid"]) and Path(e["log"]).exists()
         assert e["model"] == e["checkpoint"] == str(Path(world[tid]).resolve())
         # one CPU server is two processes, the API server and its engine core with the model worker inside
-        # (serving.py's `uni` executor; vLLM's default on CPU adds a third that imports vLLM again)
+        # (serving/servers.py's `uni` executor; vLLM's default on CPU adds a third that imports vLLM again)
         procs = [c for c in _group_members(e["pid"]) if "multiprocessing.resource_tracker" not in c]
         assert len(procs) == 2, procs
     print(f"two servers healthy after {servers.startup_s:.1f} s")
@@ -205,7 +205,7 @@ def test_sequence_over_max_model_len_fails_fast(servers, world):
 def test_tokenizer_mismatch_is_one_line(servers, world):
     from mopd_core.models import ModelError, load_tokenizer, tokenizer_fingerprint
     from mopd_core.teachers.http import build_http_router
-    from mopd_core.teachers.serving import TeacherServers
+    from mopd_core.serving import VllmServers
 
     other = _build_other_vocab(world["dir"] / "other_vocab")
     other_tok = load_tokenizer(other)
@@ -216,7 +216,7 @@ def test_tokenizer_mismatch_is_one_line(servers, world):
     # a teacher checkpoint with another vocabulary: refused from its tokenizer files, before any server starts
     t0 = time.perf_counter()
     with pytest.raises(ModelError) as e:
-        TeacherServers({"bad": other}, world["dir"] / "serve_bad", max_seq_len=MAX_SEQ, python=VLLM_PY,
+        VllmServers({"bad": other}, world["dir"] / "serve_bad", max_seq_len=MAX_SEQ, python=VLLM_PY,
                        student_fingerprint=tokenizer_fingerprint(world["tok"]))
     assert "'bad'" in str(e.value) and time.perf_counter() - t0 < 10
     assert not (world["dir"] / "serve_bad" / "logs").exists()
@@ -226,7 +226,7 @@ def test_unreachable_external_url(world):
     from mopd_core.errors import InfraError
     from mopd_core.teachers import TeacherError
     from mopd_core.teachers.http import build_http_router
-    from mopd_core.teachers.serving import free_port
+    from mopd_core.serving import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.perf_counter()
@@ -416,8 +416,8 @@ def test_servers_die_with_a_sigkilled_parent(world, tmp_path):
     run = tmp_path / "orphan"
     script = (
         "import sys, time\n"
-        "from mopd_core.teachers.serving import TeacherServers\n"
-        f"ts = TeacherServers({{'m0': {str(world['m0'])!r}}}, {str(run)!r}, max_seq_len={MAX_SEQ}, "
+        "from mopd_core.serving import VllmServers\n"
+        f"ts = VllmServers({{'m0': {str(world['m0'])!r}}}, {str(run)!r}, max_seq_len={MAX_SEQ}, "
         f"python={str(VLLM_PY)!r}, startup_timeout_s=600)\n"
         "ts.start(); print('ready', flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],

