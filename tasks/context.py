@@ -15,11 +15,11 @@ def prefect_tags() -> dict[str, str]:
     tags = {}
     try:
         ctx = get_run_context()
-        tr = getattr(ctx, "task_run", None)
+        tr = getattr(ctx, "task_run", None)  # lib: prefect 3 run context
         if tr is not None:
             tags["prefect.task_run_id"] = str(tr.id)
             tags["prefect.flow_run_id"] = str(tr.flow_run_id)
-        fr = getattr(ctx, "flow_run", None)
+        fr = getattr(ctx, "flow_run", None)  # lib: prefect 3 run context
         if fr is not None:
             tags["prefect.flow_run_id"] = str(fr.id)
             tags["prefect.flow_run_name"] = fr.name

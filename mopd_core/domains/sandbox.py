@@ -252,7 +252,7 @@ def _runner_remap(path_map):
 
     sys.path[:] = [remap(p) for p in sys.path]
     for m in list(sys.modules.values()):
-        path = getattr(m, "__path__", None)
+        path = getattr(m, "__path__", None)  # lib: python module objects (a package has __path__)
         if isinstance(path, list):
             path[:] = [remap(p) for p in path]
     sys.path_importer_cache.clear()

@@ -131,12 +131,21 @@ def train_process(recipe: RecipeConfig, base_path: str | Path, rows: list[dict],
     history, tr = trainer
     state = tr.accelerator.get_state_dict(tr.model)  # gathers FSDP shards (a collective: every process calls it)
     acc = tr.accelerator
-    # accelerate's state has a `fsdp_plugin` only under FSDP (accelerate 1.x, checked on 1.16)
     how = {"distributed_type": str(acc.distributed_type).split(".")[-1], "num_processes": acc.num_processes,
-           "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None)}
+           "fsdp_version": _fsdp_version(acc)}
     if not tr.is_world_process_zero():
         return history, None, how
     return history, {k: v.detach().cpu().clone() for k, v in state.items()}, how
+
+
+def _fsdp_version(acc):
+    """accelerate's state has a `fsdp_plugin` only under FSDP (accelerate 1.x, checked on 1.16)."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)  # lib: accelerate 1.x
+    return getattr(plugin, "fsdp_version", None)  # lib: accelerate 1.x
+
+
+def _no_split(model) -> list[str]:
+    return list(getattr(model, "_no_split_modules", None) or [])  # lib: transformers 5.x
 
 
 def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: bool, domains, world: int = 1,
@@ -184,7 +193,7 @@ def _train(recipe, model, tokenizer, rows, stage_dir: Path, dinfo, progress: boo
     if world > 1 and recipe.runtime.strategy == "fsdp2" and dinfo.kind != "cpu":
         fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={
             "fsdp_version": 2, "reshard_after_forward": True,
-            "transformer_layer_cls_to_wrap": list(getattr(model, "_no_split_modules", None) or [])})  # transformers 5.x
+            "transformer_layer_cls_to_wrap": _no_split(model)})
     args = SFTConfig(
         output_dir=str(stage_dir / "trainer"), max_steps=cfg.steps,
         per_device_train_batch_size=cfg.batch_size // world,  # sft.batch_size stays the global batch

@@ -40,16 +40,7 @@ FORBIDDEN_IN_ENGINE = ("tasks", "flows", "prefect", "mlflow")  # orchestration (
 # "roles": train/weights). Each entry is reported as a failure once it is gone, so the list only shrinks: empty
 # it as those branches merge. Circles: the set of modules; probes: (file, the call as `ast.unparse` writes it).
 PENDING_CIRCLES: list[frozenset[str]] = []
-PENDING_PROBES: list[tuple[str, str]] = [
-    ("tasks/context.py", "getattr(ctx, 'task_run', None)"),  # stageplan (prefect run context)
-    ("tasks/context.py", "getattr(ctx, 'flow_run', None)"),  # stageplan (prefect run context)
-    ("mopd_core/domains/sandbox.py", "getattr(m, '__path__', None)"),  # sandbox (a module's __path__: mark it lib)
-    ("mopd_core/train/loop.py", "getattr(d, 'uses_truncation', False)"),  # roles (Domain.uses_truncation)
-    ("mopd_core/train/loop.py", "hasattr(gn, 'full_tensor')"),  # roles (torch DTensor)
-    ("mopd_core/train/sft.py", "getattr(getattr(acc.state, 'fsdp_plugin', None), 'fsdp_version', None)"),  # roles
-    ("mopd_core/train/sft.py", "getattr(acc.state, 'fsdp_plugin', None)"),  # roles (accelerate)
-    ("mopd_core/train/sft.py", "getattr(model, '_no_split_modules', None)"),  # roles (transformers)
-]
+PENDING_PROBES: list[tuple[str, str]] = []
 
 # A `hasattr`/`getattr` is allowed only (a) on a module object — its first argument a name bound by an `import`
 # statement of the file (`getattr(torch, dtype)`) or an `import_module(…)` call — or (b) when a comment on the
