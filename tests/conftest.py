@@ -1,18 +1,82 @@
 """Shared fixtures. Tests run offline, single-threaded (the CI box has 2 cores and OpenMP spin-waits under
-contention), and write only under pytest's tmp dirs."""
+contention), and write only under pytest's tmp dirs.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): most long tests wait on
+processes they started (vLLM servers, Prefect/MLflow servers, flow subprocesses), so a second worker fills the
+other core. The hooks below make that safe: a test module is one work unit (its module-scoped servers and trained
+stages are built once, on one worker), the reliability battery is one unit (its session fixtures serve all of its
+modules), the longest units start first, and each worker keeps its own Prefect home."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import pytest
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, … under xdist; None in a plain run
+if WORKER:
+    # Prefect's local state (a SQLite database, the ephemeral server) is per process: two workers on one
+    # database lock each other out. Set before any test module imports prefect.
+    os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME", ROOT / ".prefect")) / WORKER)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Work units that span several modules: their session-scoped fixtures must be built once per session.
+_SHARED_UNITS = {"tests/reliability": "reliability"}
+# The longest units first (longest-processing-time-first: both workers then finish close together). Wall times
+# measured one module at a time on the 2-core box, in order; the rest follow in collection order.
+_LONGEST_FIRST = [
+    "tests/e2e/test_deployments.py",
+    "reliability",
+    "tests/e2e/test_http_recipe.py",
+    "tests/integration/test_async_mopd.py",
+    "tests/e2e/test_stage_identity.py",
+    "tests/e2e/test_flows_local.py",
+]
+
+
+def _unit(item) -> str:
+    path = item.nodeid.split("::", 1)[0]
+    return next((unit for prefix, unit in _SHARED_UNITS.items() if path.startswith(prefix + "/")), path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(_unit(it), len(rank)))  # stable: a module's tests stay together, in order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadgroup scheduler, except that a worker is handed its next unit only when its current one is down
+    to the test it is running: the stock scheduler hands it over two tests early, so a unit could wait behind the
+    last two (long) tests of another while the other worker sits idle."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class OneAhead(LoadGroupScheduling):
+        def _reschedule(self, node):
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) > 1:
+                return
+            self._assign_work_unit(node)
+
+    return OneAhead(config, log)
 
 
 def tiny_overrides(tmp_path) -> list[str]:

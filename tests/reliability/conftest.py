@@ -151,7 +151,9 @@ def pytest_sessionfinish(session, exitstatus):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     (path.with_suffix(".json")).write_text(json.dumps({"wall_s": wall, "cases": _CASES}, indent=1, default=str))
-    session.config.pluginmanager.get_plugin("terminalreporter").write_line(f"reliability report: {path}")
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:  # an xdist worker has none (the whole battery runs on one worker: one work unit)
+        tr.write_line(f"reliability report: {path}")
 
 
 # ---------------------------------------------------------------- shared runs and services
