@@ -30,20 +30,28 @@ torch.set_num_threads(1)
 
 # Work units that span several modules: their session-scoped fixtures must be built once per session.
 _SHARED_UNITS = {"tests/reliability": "reliability"}
+# Modules whose tests are each a unit of their own (long tests that share only a cheap module fixture, built
+# again on the other worker); a test's own `xdist_group` mark keeps tests that share more together.
+_PER_TEST_UNITS = {"tests/integration/test_async_mopd.py"}
 # The longest units first (longest-processing-time-first: both workers then finish close together). Wall times
 # measured one module at a time on the 2-core box, in order; the rest follow in collection order.
 _LONGEST_FIRST = [
     "tests/e2e/test_deployments.py",
     "reliability",
     "tests/e2e/test_http_recipe.py",
-    "tests/integration/test_async_mopd.py",
+    "async-k0-k1",
     "tests/e2e/test_stage_identity.py",
     "tests/e2e/test_flows_local.py",
 ]
 
 
 def _unit(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
     path = item.nodeid.split("::", 1)[0]
+    if path in _PER_TEST_UNITS:
+        return item.nodeid.translate(str.maketrans("[]@", "()_"))  # xdist splits the unit off at the last '@'
     return next((unit for prefix, unit in _SHARED_UNITS.items() if path.startswith(prefix + "/")), path)
 
 
