@@ -33,15 +33,24 @@ _SHARED_UNITS = {"tests/reliability": "reliability"}
 # Modules whose tests are each a unit of their own (long tests that share only a cheap module fixture, built
 # again on the other worker); a test's own `xdist_group` mark keeps tests that share more together.
 _PER_TEST_UNITS = {"tests/integration/test_async_mopd.py"}
-# The longest units first (longest-processing-time-first: both workers then finish close together). Wall times
-# measured one module at a time on the 2-core box, in order; the rest follow in collection order.
+# The longest units first (longest-processing-time-first: both workers then finish close together), in order of
+# their wall time: integration units as measured under `-n 2` on the 2-core box (distributed 870 s, async k=0/k=1
+# 850, http faults 390, http teachers 374, the two async kill tests 280 and 227, cluster 191), the reliability
+# battery from its report (8 min), the e2e modules by the flows and servers they run. The rest follow in
+# collection order.
 _LONGEST_FIRST = [
     "tests/e2e/test_deployments.py",
     "reliability",
     "tests/e2e/test_http_recipe.py",
+    "tests/integration/test_distributed.py",
     "async-k0-k1",
     "tests/e2e/test_stage_identity.py",
     "tests/e2e/test_flows_local.py",
+    "tests/integration/test_http_faults.py",
+    "tests/integration/test_http_teachers.py",
+    "tests/integration/test_async_mopd.py::test_async_trainer_killed_resumes_from_its_checkpoint",
+    "tests/integration/test_async_mopd.py::test_async_student_server_killed_is_restarted",
+    "tests/integration/test_cluster.py",
 ]
 
 
