@@ -57,7 +57,7 @@ recipe: venv
 # each module, and the reliability battery, on one worker); the 40 slowest tests are listed at the end
 TEST_WORKERS ?= 2
 test: venv vllm-venv browser-deps sandbox-deps
-	$(BIN)/python -m pytest tests -q --durations=40 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest tests -q --durations=40 -n $(TEST_WORKERS) --dist loadscope
 
 test-e2e: venv vllm-venv browser-deps
 	$(BIN)/python -m pytest tests/e2e tests/integration -q -m e2e

@@ -1,7 +1,7 @@
 """Shared fixtures. Tests run offline, single-threaded (the CI box has 2 cores and OpenMP spin-waits under
 contention), and write only under pytest's tmp dirs.
 
-`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): most long tests wait on
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`): most long tests wait on
 processes they started (vLLM servers, Prefect/MLflow servers, flow subprocesses), so a second worker fills the
 other core. The hooks below make that safe: a test module is one work unit (its module-scoped servers and trained
 stages are built once, on one worker), the reliability battery is one unit (its session fixtures serve all of its
@@ -29,10 +29,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 # Work units that span several modules: their session-scoped fixtures must be built once per session.
-_SHARED_UNITS = {"tests/reliability": "reliability"}
+_SHARED_UNITS = {"tests/reliability/": "reliability"}
 # Modules whose tests are each a unit of their own (long tests that share only a cheap module fixture, built
-# again on the other worker); a test's own `xdist_group` mark keeps tests that share more together.
+# again on the other worker), except the tests named in _JOINT_UNITS, which share a module fixture.
 _PER_TEST_UNITS = {"tests/integration/test_async_mopd.py"}
+_JOINT_UNITS = {
+    "tests/integration/test_async_mopd.py::test_async_k0_equals_sync": "async-k0-k1",
+    "tests/integration/test_async_mopd.py::test_async_k1_runs_one_version_behind_with_teacher_servers": "async-k0-k1",
+}
 # The longest units first (longest-processing-time-first: both workers then finish close together), in order of
 # their wall time: integration units as measured under `-n 2` on the 2-core box (distributed 870 s, async k=0/k=1
 # 850, http faults 390, http teachers 374, the two async kill tests 280 and 227, cluster 191), the reliability
@@ -54,35 +58,38 @@ _LONGEST_FIRST = [
 ]
 
 
-def _unit(item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
-    path = item.nodeid.split("::", 1)[0]
+def unit_of(nodeid: str) -> str:
+    """The work unit of a test (a string of its node id alone: xdist's controller sees no test objects)."""
+    if nodeid in _JOINT_UNITS:
+        return _JOINT_UNITS[nodeid]
+    path = nodeid.split("::", 1)[0]
     if path in _PER_TEST_UNITS:
-        return item.nodeid.translate(str.maketrans("[]@", "()_"))  # xdist splits the unit off at the last '@'
-    return next((unit for prefix, unit in _SHARED_UNITS.items() if path.startswith(prefix + "/")), path)
+        return nodeid
+    return next((unit for prefix, unit in _SHARED_UNITS.items() if path.startswith(prefix)), path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_unit(item)))
     rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda it: rank.get(_unit(it), len(rank)))  # stable: a module's tests stay together, in order
+    # stable: a unit's tests stay together and in order; the workers all collect this same order
+    items.sort(key=lambda it: rank.get(unit_of(it.nodeid), len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's loadgroup scheduler, except that a worker is handed its next unit only when its current one is down
-    to the test it is running: the stock scheduler hands it over two tests early, so a unit could wait behind the
-    last two (long) tests of another while the other worker sits idle."""
-    if config.getoption("dist") != "loadgroup":
+    """xdist's loadscope scheduler on our units (`unit_of`; xdist's own `xdist_group` suffix on node ids has no
+    effect under pytest 9), in collection order (the longest first), and a worker is handed its next unit only
+    when its current one is down to the test it is running: the stock scheduler hands it over two tests early, so
+    a unit could wait behind the last two (long) tests of another while the other worker sits idle."""
+    if config.getoption("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
-    class OneAhead(LoadGroupScheduling):
+    config.option.loadscopereorder = False  # keep the longest-first order (xdist would sort by test count)
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return unit_of(nodeid)
+
         def _reschedule(self, node):
             if node.shutting_down:
                 return
@@ -93,7 +100,7 @@ def pytest_xdist_make_scheduler(config, log):
                 return
             self._assign_work_unit(node)
 
-    return OneAhead(config, log)
+    return Units(config, log)
 
 
 def tiny_overrides(tmp_path) -> list[str]:

@@ -113,8 +113,7 @@ def sync_run(sft_dir, teachers, tmp_path_factory):
 
 # k = 0, 1, 2 are separate tests, each asserting what its staleness bound changes (k = 0: the synchronous weights;
 # k = 1: one version behind, against teacher servers; k = 2: two behind, the phases overlapping), so pytest-xdist
-# runs k = 2 on the other worker while k = 0 and k = 1 share the synchronous reference.
-@pytest.mark.xdist_group("async-k0-k1")
+# runs k = 2 on the other worker while k = 0 and k = 1 share the synchronous reference (one unit: tests/conftest.py).
 def test_async_k0_equals_sync(tmp_path, sft_dir, teachers, sync_run):
     """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights, one version per step."""
     k0 = R.mopd_stage(_cfg(tmp_path, "runtime.placement=async", "async.max_staleness=0"), sft_dir, teachers,
@@ -125,7 +124,6 @@ def test_async_k0_equals_sync(tmp_path, sft_dir, teachers, sync_run):
     assert [r["async/weight_version"] for r in r0] == [0, 1, 2, 3]
 
 
-@pytest.mark.xdist_group("async-k0-k1")
 def test_async_k1_runs_one_version_behind_with_teacher_servers(tmp_path, sft_dir, teachers, sync_run):
     """k = 1 (teachers on their own vLLM servers) trains each step s ≥ 1 on samples of version s − 1 (the
     decoupled loss active), drops nothing, and still moves the weights off the synchronous trajectory; every
