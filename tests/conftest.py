@@ -1,18 +1,106 @@
 """Shared fixtures. Tests run offline, single-threaded (the CI box has 2 cores and OpenMP spin-waits under
-contention), and write only under pytest's tmp dirs."""
+contention), and write only under pytest's tmp dirs.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`): most long tests wait on
+processes they started (vLLM servers, Prefect/MLflow servers, flow subprocesses), so a second worker fills the
+other core. The hooks below make that safe: a test module is one work unit (its module-scoped servers and trained
+stages are built once, on one worker), the reliability battery is one unit (its session fixtures serve all of its
+modules), the longest units start first, and each worker keeps its own Prefect home."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import pytest
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, … under xdist; None in a plain run
+if WORKER:
+    # Prefect's local state (a SQLite database, the ephemeral server) is per process: two workers on one
+    # database lock each other out. Set before any test module imports prefect.
+    os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME", ROOT / ".prefect")) / WORKER)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Work units that span several modules: their session-scoped fixtures must be built once per session.
+_SHARED_UNITS = {"tests/reliability/": "reliability"}
+# Modules whose tests are each a unit of their own (long tests that share only a cheap module fixture, built
+# again on the other worker), except the tests named in _JOINT_UNITS, which share a module fixture.
+_PER_TEST_UNITS = {"tests/integration/test_async_mopd.py"}
+_JOINT_UNITS = {
+    "tests/integration/test_async_mopd.py::test_async_k0_equals_sync": "async-k0-k1",
+    "tests/integration/test_async_mopd.py::test_async_k1_runs_one_version_behind_with_teacher_servers": "async-k0-k1",
+}
+# The longest units first (longest-processing-time-first: both workers then finish close together), in order of
+# their wall time: integration units as measured under `-n 2` on the 2-core box (distributed 870 s, async k=0/k=1
+# 850, http faults 390, http teachers 374, the two async kill tests 280 and 227, cluster 191), the reliability
+# battery from its report (8 min), the e2e modules by the flows and servers they run. The rest follow in
+# collection order.
+_LONGEST_FIRST = [
+    "tests/e2e/test_deployments.py",
+    "reliability",
+    "tests/e2e/test_http_recipe.py",
+    "tests/integration/test_distributed.py",
+    "async-k0-k1",
+    "tests/e2e/test_stage_identity.py",
+    "tests/e2e/test_flows_local.py",
+    "tests/integration/test_http_faults.py",
+    "tests/integration/test_http_teachers.py",
+    "tests/integration/test_async_mopd.py::test_async_trainer_killed_resumes_from_its_checkpoint",
+    "tests/integration/test_async_mopd.py::test_async_student_server_killed_is_restarted",
+    "tests/integration/test_cluster.py",
+]
+
+
+def unit_of(nodeid: str) -> str:
+    """The work unit of a test (a string of its node id alone: xdist's controller sees no test objects)."""
+    if nodeid in _JOINT_UNITS:
+        return _JOINT_UNITS[nodeid]
+    path = nodeid.split("::", 1)[0]
+    if path in _PER_TEST_UNITS:
+        return nodeid
+    return next((unit for prefix, unit in _SHARED_UNITS.items() if path.startswith(prefix)), path)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
+    # stable: a unit's tests stay together and in order; the workers all collect this same order
+    items.sort(key=lambda it: rank.get(unit_of(it.nodeid), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduler on our units (`unit_of`; xdist's own `xdist_group` suffix on node ids has no
+    effect under pytest 9), in collection order (the longest first), and a worker is handed its next unit only
+    when its current one is down to the test it is running: the stock scheduler hands it over two tests early, so
+    a unit could wait behind the last two (long) tests of another while the other worker sits idle."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the longest-first order (xdist would sort by test count)
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return unit_of(nodeid)
+
+        def _reschedule(self, node):
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) > 1:
+                return
+            self._assign_work_unit(node)
+
+    return Units(config, log)
 
 
 def tiny_overrides(tmp_path) -> list[str]:

@@ -97,49 +97,71 @@ def _cfg(tmp_path, *extra):
     return cfg
 
 
-def test_async_k0_equals_sync_and_k1_runs_one_version_behind(tmp_path, sft_dir):
-    """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights; k = 1 (teachers on their own
-    vLLM servers) trains each step s ≥ 1 on samples of version s − 1 (the decoupled loss active), drops nothing,
-    and still moves the weights; k = 2 runs two versions behind with generation overlapping the updates; every
-    server the stages started is gone."""
-    teachers = {"math": sft_dir, "code": R.base_model(_cfg(tmp_path / "b")), "if": sft_dir}
-    runs = {}
-    for name, extra in (("sync", ["runtime.placement=disaggregated"]),
-                        ("k0", ["runtime.placement=async", "async.max_staleness=0"]),
-                        # k = 1 against three teacher vLLM servers beside the student's
-                        ("k1", ["runtime.placement=async", "async.max_staleness=1", "teachers.backend=http"]),
-                        ("k2", ["runtime.placement=async", "async.max_staleness=2", "mopd.steps=5"])):
-        cfg = _cfg(tmp_path / name, *extra)
-        runs[name] = R.mopd_stage(cfg, sft_dir, teachers, progress=False)
-    ws, w0 = _weights(runs["sync"].model_dir), _weights(runs["k0"].model_dir)
+@pytest.fixture(scope="module")
+def teachers(sft_dir, tmp_path_factory):
+    """Two teachers on the SFT weights, `code` on the untrained base (its reverse KL differs from `math`'s)."""
+    return {"math": sft_dir, "code": R.base_model(_cfg(tmp_path_factory.mktemp("b"))), "if": sft_dir}
+
+
+@pytest.fixture(scope="module")
+def sync_run(sft_dir, teachers, tmp_path_factory):
+    """The synchronous loop (disaggregated, served student): the reference trajectory k = 0 must reproduce and k = 1
+    must leave. One run shared by the k = 0 and k = 1 tests (their own work unit under xdist)."""
+    cfg = _cfg(tmp_path_factory.mktemp("sync"), "runtime.placement=disaggregated")
+    return R.mopd_stage(cfg, sft_dir, teachers, progress=False)
+
+
+# k = 0, 1, 2 are separate tests, each asserting what its staleness bound changes (k = 0: the synchronous weights;
+# k = 1: one version behind, against teacher servers; k = 2: two behind, the phases overlapping), so pytest-xdist
+# runs k = 2 on the other worker while k = 0 and k = 1 share the synchronous reference (one unit: tests/conftest.py).
+def test_async_k0_equals_sync(tmp_path, sft_dir, teachers, sync_run):
+    """k = 0 trains exactly the synchronous (disaggregated, served) loop's weights, one version per step."""
+    k0 = R.mopd_stage(_cfg(tmp_path, "runtime.placement=async", "async.max_staleness=0"), sft_dir, teachers,
+                      progress=False)
+    ws, w0 = _weights(sync_run.model_dir), _weights(k0.model_dir)
     assert all(torch.equal(ws[k], w0[k]) for k in ws), "async k=0 differs from the synchronous loop"
-    r0 = _rows(runs["k0"].stage_dir / "metrics.jsonl")
+    r0 = _rows(k0.stage_dir / "metrics.jsonl")
     assert [r["async/weight_version"] for r in r0] == [0, 1, 2, 3]
-    r1 = _rows(runs["k1"].stage_dir / "metrics.jsonl")
+
+
+def test_async_k1_runs_one_version_behind_with_teacher_servers(tmp_path, sft_dir, teachers, sync_run):
+    """k = 1 (teachers on their own vLLM servers) trains each step s ≥ 1 on samples of version s − 1 (the
+    decoupled loss active), drops nothing, and still moves the weights off the synchronous trajectory; every
+    server the stage started is gone."""
+    k1 = R.mopd_stage(_cfg(tmp_path, "runtime.placement=async", "async.max_staleness=1", "teachers.backend=http"),
+                      sft_dir, teachers, progress=False)
+    r1 = _rows(k1.stage_dir / "metrics.jsonl")
     assert [r["step"] for r in r1] == [1, 2, 3, 4]
     assert [r["async/weight_version"] for r in r1] == [0, 0, 1, 2]  # versions in the queue advance, one behind
     assert [r["async/staleness_max"] for r in r1] == [0, 1, 1, 1]
     assert all(r["async/dropped"] == 0 for r in r1)
     assert all("is_weight_mean" in r for r in r1[1:]) and "is_weight_mean" not in r1[0]
-    r2 = _rows(runs["k2"].stage_dir / "metrics.jsonl")  # two versions behind once the pipeline is full
+    ws, w1, wi = _weights(sync_run.model_dir), _weights(k1.model_dir), _weights(sft_dir)
+    assert any(not torch.equal(w1[k], wi[k]) for k in w1)  # trained
+    assert any(not torch.equal(w1[k], ws[k]) for k in w1)  # and not the synchronous trajectory
+    info = json.loads((k1.stage_dir / "stage.json").read_text())
+    # the servers last loaded version 2 (step 4's samples); the trainer's final weights are in final/
+    assert info["placement"]["mode"] == "async" and info["rollout"]["version"] == 2
+    assert set(k1.teachers) == {"math", "code", "if"}
+    assert all(r["reverse_kl/code"] != pytest.approx(r["reverse_kl/math"], abs=1e-4) for r in r1)
+    for manifest in ("rollout/endpoints.json", "teachers/endpoints.json"):  # student and teacher servers stopped
+        for entry in json.loads((k1.stage_dir / manifest).read_text()).values():
+            assert not Path(f"/proc/{entry['pid']}").exists()
+
+
+def test_async_k2_runs_two_versions_behind_and_overlaps(tmp_path, sft_dir, teachers):
+    """k = 2 runs two versions behind once the pipeline is full, drops nothing, and step s + 1's generation
+    starts before step s's update ends."""
+    k2 = R.mopd_stage(_cfg(tmp_path, "runtime.placement=async", "async.max_staleness=2", "mopd.steps=5"), sft_dir,
+                      teachers, progress=False)
+    r2 = _rows(k2.stage_dir / "metrics.jsonl")  # two versions behind once the pipeline is full
     assert [r["async/weight_version"] for r in r2] == [0, 0, 0, 1, 2]
     assert [r["async/staleness_max"] for r in r2] == [0, 1, 2, 2, 2]
     assert all(r["async/dropped"] == 0 for r in r2)
-    tl = [json.loads(x) for x in (runs["k2"].stage_dir / "timeline.jsonl").read_text().splitlines()]
+    tl = [json.loads(x) for x in (k2.stage_dir / "timeline.jsonl").read_text().splitlines()]
     assert [t["version"] for t in tl] == [0, 0, 0, 1, 2]
     # step s + 1's generation started before step s's update ended: the phases overlapped
     assert any(tl[i + 1]["generate"][0] < tl[i]["train"][1] for i in range(len(tl) - 1))
-    w1, wi = _weights(runs["k1"].model_dir), _weights(sft_dir)
-    assert any(not torch.equal(w1[k], wi[k]) for k in w1)  # trained
-    assert any(not torch.equal(w1[k], ws[k]) for k in w1)  # and not the synchronous trajectory
-    info = json.loads((runs["k1"].stage_dir / "stage.json").read_text())
-    # the servers last loaded version 2 (step 4's samples); the trainer's final weights are in final/
-    assert info["placement"]["mode"] == "async" and info["rollout"]["version"] == 2
-    assert set(runs["k1"].teachers) == {"math", "code", "if"}
-    assert all(r["reverse_kl/code"] != pytest.approx(r["reverse_kl/math"], abs=1e-4) for r in r1)
-    for manifest in ("rollout/endpoints.json", "teachers/endpoints.json"):  # student and teacher servers stopped
-        for entry in json.loads((runs["k1"].stage_dir / manifest).read_text()).values():
-            assert not Path(f"/proc/{entry['pid']}").exists()
 
 
 def test_async_student_server_killed_is_restarted(tmp_path, sft_dir):

@@ -151,7 +151,9 @@ def pytest_sessionfinish(session, exitstatus):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     (path.with_suffix(".json")).write_text(json.dumps({"wall_s": wall, "cases": _CASES}, indent=1, default=str))
-    session.config.pluginmanager.get_plugin("terminalreporter").write_line(f"reliability report: {path}")
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:  # an xdist worker has none (the whole battery runs on one worker: one work unit)
+        tr.write_line(f"reliability report: {path}")
 
 
 # ---------------------------------------------------------------- shared runs and services
@@ -280,10 +282,35 @@ class Services:
             offset += 200
 
 
+# Stops to run once the battery's last test is done: a session fixture would otherwise keep its servers (and a
+# worker polling every second) busy on the cores while the rest of the suite runs.
+_AT_BATTERY_END: list = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _in_battery(item) and (nextitem is None or not _in_battery(nextitem)):
+        while _AT_BATTERY_END:
+            _AT_BATTERY_END.pop()()
+
+
 @pytest.fixture(scope="session")
 def services(reliability_tmp):
     s = Services(reliability_tmp / "svc")
     s.tmp.mkdir(parents=True, exist_ok=True)
+    stopped = []
+
+    def stop():
+        if stopped:
+            return
+        stopped.append(True)
+        subprocess.run([str(ROOT / "infra/services.sh"), "stop"], cwd=ROOT, env=s.env, timeout=120)
+        for f in ("worker.log", "prefect-server.log", "mlflow-server.log"):
+            p = s.dir / f
+            if p.exists():
+                print(f"--- {f} (tail)\n{p.read_text(errors='replace')[-2000:]}")
+
+    _AT_BATTERY_END.append(stop)
     t0 = time.monotonic()
     try:
         s.sh("start", timeout=400)
@@ -291,8 +318,4 @@ def services(reliability_tmp):
         s.start_wall_s = time.monotonic() - t0
         yield s
     finally:
-        subprocess.run([str(ROOT / "infra/services.sh"), "stop"], cwd=ROOT, env=s.env, timeout=120)
-        for f in ("worker.log", "prefect-server.log", "mlflow-server.log"):
-            p = s.dir / f
-            if p.exists():
-                print(f"--- {f} (tail)\n{p.read_text(errors='replace')[-2000:]}")
+        stop()
