@@ -1,4 +1,4 @@
-"""Performance checks for a lent GPU (issue 14, item 4), one prepared run of ≤ 8 minutes on one H200 with the
+"""Performance checks for a lent GPU, one prepared run of ≤ 8 minutes on one H200 with the
 packages that machine has (torch, transformers, triton; no vLLM, no download):
 
 1. `mfu`: train steps of a random-initialised 1.7B-class Qwen3-shaped model (config built here), bf16, AdamW,
