@@ -1,4 +1,4 @@
-"""The MOPD objective (DESIGN §3) in pure torch: advantages, distillation signals, the policy loss, balancing.
+"""The MOPD objective (docs/objectives.md) in pure torch: advantages, distillation signals, the policy loss, balancing.
 
 Shapes: ``B`` samples, ``T`` completion positions, ``K`` teachers, ``V`` vocabulary, ``S`` a shared support.
 Every function computes in its input's dtype on its input's device and never moves tensors between devices.
