@@ -378,7 +378,7 @@ class TeachersConfig(_Model):
     conflict: Literal["none", "mask", "consensus"] = Field(
         "none", exclude_if=lambda v: v == "none", description="routing=mixture: where the teachers' advantages at "
         "the sampled token differ in sign by more than conflict_nats — `mask` zeroes the distillation advantage, "
-        "`consensus` takes the target of the teacher with the smallest advantage magnitude (docs/architecture.md).")
+        "`consensus` takes the target of the teacher with the smallest advantage magnitude (docs/objectives.md).")
     conflict_nats: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="teachers.conflict: spread "
                                  "max_k ℓ_k − min_k ℓ_k (nats) above which opposite-sign teachers are in conflict.")
 
