@@ -21,7 +21,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 CONFIG ?= tiny
 SET ?=
 
-.PHONY: recipe test test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
+.PHONY: recipe test mutants test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
 	venv vllm-venv browser-deps clean services services-stop deploy lint
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -58,6 +58,10 @@ browser-deps:
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	test -d tests/e2e/browser/node_modules/playwright-core || \
 	  (cd tests/e2e/browser && npm install --no-audit --no-fund --silent)
+
+# planted wiring bugs vs the fast learning subset → benchmarks/results/mutants.{json,md} (tests/mutation/)
+mutants: venv
+	$(BIN)/python -m tests.mutation.run
 
 test-unit: venv
 	$(BIN)/python -m pytest tests/unit -q
