@@ -64,7 +64,7 @@ def _type(annotation) -> str:
         return "any"
     if inspect.isclass(annotation) and issubclass(annotation, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in annotation)
-    return getattr(annotation, "__name__", str(annotation))
+    return getattr(annotation, "__name__", str(annotation))  # lib: typing (builtins and typing forms)
 
 
 def _default(f: FieldInfo) -> str:
@@ -89,10 +89,10 @@ def _constraints(f: FieldInfo) -> str:
     out = []
     for meta in f.metadata:
         for attr, sym in CONSTRAINTS:
-            v = getattr(meta, attr, None)  # annotated_types' Ge/Gt/Le/Lt: a library object, one attribute each
+            v = getattr(meta, attr, None)  # lib: annotated_types (Ge/Gt/Le/Lt carry one attribute each)
             if v is not None:
                 out.append(f"{sym} {v}")
-        pattern = getattr(meta, "pattern", None)
+        pattern = getattr(meta, "pattern", None)  # lib: pydantic (its string constraints)
         if pattern is not None:
             out.append(f"matches `{pattern}`")
     return ", ".join(out)
