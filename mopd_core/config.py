@@ -185,8 +185,8 @@ class DomainSpec(_Model):
         default_factory=dict, exclude_if=lambda v: not v,
         description="Keyword arguments of the verifier, e.g. math_verify {mode: boxed | gsm8k "
         "| aime | any, timeout_s}, ifeval {mode: strict | loose, score: all | fraction}, code_tests {scoring: all | "
-        "fraction, max_tests, timeout_s, memory_mb}; all real verifiers also take strip_think, zero_if_truncated, "
-        "think_format_weight. An unknown key is an error naming the accepted ones.")
+        "fraction, max_tests, timeout_s, memory_mb, isolation: bwrap | none}; all real verifiers also take "
+        "strip_think, zero_if_truncated, think_format_weight. An unknown key is an error naming the accepted ones.")
     weight: float = Field(1.0, ge=0, description="Share of prompts drawn from this domain (normalised).")
     eval_size: int = Field(200, ge=1, description="Held-out eval prompts, disjoint from training prompts.")
     params: dict[str, Any] = Field(default_factory=dict, description="Domain-specific generator options.")

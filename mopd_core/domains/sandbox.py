@@ -1,31 +1,34 @@
 """Run untrusted Python (model completions) in a locked-down child process.
 
-Layers, each enough for most attacks on its own (defence in depth; `SandboxResult.layers` says which were
-active, because namespaces and privilege changes depend on the host):
+The boundary is bubblewrap (`isolation="bwrap"`, the default): a maintained setuid-free sandbox that gives the
+child its own user, network, PID, mount, IPC and UTS namespaces, all capabilities dropped, `--die-with-parent`,
+`--new-session` (no TIOCSTI on our terminal). Its file system is built from nothing: /usr (+ the merged-/usr
+links) and the interpreter's prefix bound read-only, this file as the runner, a fresh /proc and /dev, an empty
+read-only /tmp, and a 64 MiB tmpfs at /sandbox as cwd, HOME and TMPDIR — no /etc, no home, no checkout, no run
+folders. The environment is cleared (bwrap itself also starts with the minimal one, so /proc/1/environ holds no
+secret). A seccomp filter (libseccomp through `pyseccomp`, where installed) refuses fork/vfork/clone of a new
+process, namespaces, ptrace, keyrings, BPF, io_uring and the like. The program runs as uid 65534 of its user
+namespace (mapped to the caller's uid).
 
-1. A fresh per-run directory: the code's cwd, HOME and TMPDIR; removed afterwards. A minimal environment (no
-   inherited variables) and an isolated interpreter (`-I -S -B`), code passed in a file.
-2. Resource limits (RLIMIT_CPU, AS, FSIZE, NOFILE, NPROC = 0, CORE = 0), a new session/process group, and a
-   parent-side wall-clock timeout that SIGKILLs the whole group. Output lands in files the child cannot reopen,
-   read back up to `max_output_bytes`.
-3. As root (RLIMIT_NPROC is not enforced for root), the child drops to `nobody` (65534) before any user code:
-   NPROC = 0 then stops fork/threads, and file permissions protect everything not world-writable.
-4. Namespaces through util-linux `unshare`, probed once per process: a new network namespace (no interfaces
-   but a down loopback: every connect fails), a PID namespace (everything dies with the child, no leftovers),
-   and a mount namespace in which /tmp, /var/tmp, /dev/shm are read-only bind mounts and the work dir is a
-   size-capped tmpfs. An interpreter the dropped uid cannot read (pyenv under /root) is bind-mounted there.
-5. A Python audit hook installed before the user code: it refuses sockets, process creation and signals,
+Second layer, inside the boundary (what was the whole sandbox before):
+1. Resource limits (RLIMIT_CPU, AS, FSIZE, NOFILE, NPROC = 0, CORE = 0) and a parent-side wall-clock timeout that
+   SIGKILLs the PID namespace's init and the process group. Output lands in files the child cannot reopen, read
+   back up to `max_output_bytes`; the run's config arrives through the fd of an unlinked file.
+2. A Python audit hook installed before the user code: it refuses sockets, process creation and signals,
    ctypes, writes (and links/renames/chmods) outside the work dir, /proc, and the imports of the modules behind
    those (`_socket`, `_posixsubprocess`, `ctypes`, …). In test mode it also refuses frame and gc introspection
    and signal handlers, so the program cannot read the harness's per-run nonce and forge test results.
 
-Remaining limits, stated plainly: without namespaces (no CAP_SYS_ADMIN, no user namespaces) world-writable
-dirs like /tmp are protected by the audit hook only, disk use in the work dir is bounded by time × FSIZE only,
-and a non-root run cannot drop privileges (the hook is then the only file-system guard). Assert-style tests run
-in the program's own process: a program written to defeat them (e.g. objects whose `__eq__` is always True)
-can; run untrusted rewards through {input, output} tests where that matters.
+`isolation="none"` is the explicit opt-out for hosts without user namespaces (`check_isolation` logs a warning
+each time): the child then gets only what util-linux `unshare` and a root caller can give (a dropped uid,
+network/PID/mount namespaces where permitted) plus the second layer — not a security boundary, since audit
+hooks are documented by Python as bypassable. `SandboxResult.layers` says which protections were active.
 
-Platform: Linux (POSIX resource limits; namespaces optional).
+Remaining limits, stated plainly: assert-style tests run in the program's own process: a program written to
+defeat them (e.g. objects whose `__eq__` is always True) can; run untrusted rewards through {input, output}
+tests where that matters. The sandbox shares the host kernel (a kernel exploit is out of scope).
+
+Platform: Linux (bubblewrap, POSIX resource limits).
 """
 
 from __future__ import annotations
@@ -281,18 +284,35 @@ def _runner_setup(cfg):
         else:
             raise RuntimeError("root could be regained after the privilege drop")
     os.chdir(work)
+    os.environ.pop("PWD", None)  # bwrap --chdir sets it; the program's environment stays the minimal one
     if path_map:
         _runner_remap(path_map)
 
 
-def _runner_main(cfg_path):
+def _runner_read_cfg(fd):
+    """The run's config from the inherited fd of an already unlinked file (nothing on disk to read back)."""
     import json
 
+    chunks = []
+    while True:
+        b = os.read(fd, 1 << 16)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(fd)
+    cfg = json.loads(b"".join(chunks).decode("utf-8"))
+    for extra in cfg.get("close_fds") or ():  # e.g. bwrap's seccomp pipe
+        try:
+            os.close(extra)
+        except OSError:
+            pass
+    return cfg
+
+
+def _runner_main(cfg_fd):
     _write = os.write
     try:
-        with open(cfg_path, "r", encoding="utf-8") as f:
-            cfg = json.load(f)
-        os.unlink(cfg_path)
+        cfg = _runner_read_cfg(int(cfg_fd))
         nonce, ctl_fd = cfg.pop("nonce"), cfg["ctl_fd"]
     except BaseException as e:
         _write(2, ("mopd sandbox: cannot read its config: %r\n" % (e,)).encode())
@@ -388,11 +408,14 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == _RUNNER_FLAG
 
 # ============================ parent side ===================================================================
 
+import errno  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import math  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import stat  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -403,6 +426,7 @@ from typing import Sequence  # noqa: E402
 
 _NOBODY = 65534
 _RUNNER_PATH = os.path.abspath(__file__)
+log = logging.getLogger("mopd")
 
 
 class SandboxError(RuntimeError):
@@ -447,16 +471,106 @@ class TestRunResult:
 
 @dataclass(frozen=True)
 class _Plan:
-    prefix: tuple[str, ...]  # unshare argv (empty: no namespaces)
+    prefix: tuple[str, ...]  # bwrap/unshare argv (empty: no namespaces)
     interpreter: str
     mounts: bool
     remap: bool
     drop: tuple[int, int] | None
     layers: tuple[str, ...]
+    bwrap: bool = False  # the child sees the bwrap sandbox's own paths (work dir `_BWRAP_WORK`)
+    seccomp: bytes | None = None  # BPF program bwrap loads before the interpreter starts (`--seccomp FD`)
 
 
-_PLAN: _Plan | None = None
+ISOLATIONS = ("bwrap", "none")
+_PLANS: dict[str, _Plan] = {}
 _PLAN_LOCK = threading.Lock()
+_BWRAP_WORK = "/sandbox"  # a size-capped private tmpfs: cwd, HOME and TMPDIR of the program (/tmp: empty, read-only)
+_BWRAP_RUNNER = "/.mopd/sandbox.py"  # this file, the only part of the checkout bound into the sandbox
+_BWRAP_TMP_MB = 64
+_BWRAP_PATHS = ("/usr/bin/bwrap", "/bin/bwrap")  # besides $PATH (a cleared PATH in services)
+_OPT_OUT = "or opt out per code domain with verifier_args {isolation: none} (no security boundary)"
+_USERNS_FIX = ("bubblewrap needs user namespaces: enable them (sysctl -w user.max_user_namespaces=15000, and "
+               "kernel.unprivileged_userns_clone=1 where that sysctl exists; in Docker --security-opt "
+               "seccomp=unconfined), " + _OPT_OUT)
+# Refused (EPERM) by the seccomp filter: new processes (threads stay allowed: clone with CLONE_THREAD), other
+# namespaces, tracing other processes, kernel keyrings/modules/BPF, io_uring (its operations bypass seccomp).
+_SECCOMP_DENY = (
+    "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "mount", "umount2",
+    "pivot_root", "chroot", "unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
+    "userfaultfd", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
+    "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "open_by_handle_at", "name_to_handle_at", "syslog",
+    "quotactl", "move_pages", "migrate_pages", "mbind", "fanotify_init", "lookup_dcookie",
+)
+_CLONE_THREAD = 0x00010000
+
+
+def _child_env(work: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "TMP": work, "TEMP": work,
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+
+def _seccomp_filter() -> bytes | None:
+    """The seccomp BPF program, built with libseccomp (through pyseccomp, its ctypes binding) rather than by hand;
+    None where libseccomp is missing (the other layers still hold; `layers` then lacks "seccomp")."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError, RuntimeError):
+        return None
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in _SECCOMP_DENY:
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (OSError, ValueError, RuntimeError):  # not a syscall of this architecture
+            continue
+    f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags sit behind a pointer: glibc falls back to clone
+    f.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    with tempfile.TemporaryFile() as t:
+        f.export_bpf(t)
+        t.seek(0)
+        return t.read()
+
+
+def _bwrap_system_binds(interpreter: str) -> list[str]:
+    """Read-only: /usr (with the merged-/usr links or dirs), and the interpreter's prefix where it lies elsewhere
+    (pyenv under /root, conda, /opt). Nothing else of the host: no /etc, no home, no checkout, no run folders."""
+    out = ["--ro-bind", "/usr", "/usr"]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            out += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            out += ["--ro-bind", d, d]
+    roots: list[str] = []
+    for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname(interpreter))):
+        r = os.path.realpath(p)
+        if r not in ("/", "/usr") and not r.startswith("/usr/") and r not in roots:
+            roots.append(r)
+    for r in roots:
+        out += ["--ro-bind", r, r]
+    return out
+
+
+def _bwrap_plan(bwrap: str) -> _Plan:
+    interpreter = os.path.realpath(os.environ.get("MOPD_SANDBOX_PYTHON") or sys.executable)
+    helptext = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(_NOBODY), "--gid", str(_NOBODY), "--hostname", "sandbox"]
+    if "--disable-userns" in helptext:  # bubblewrap >= 0.8: no nested user namespace (seccomp refuses it too)
+        argv.append("--disable-userns")
+    argv += _bwrap_system_binds(interpreter)
+    argv += ["--ro-bind", _RUNNER_PATH, _BWRAP_RUNNER, "--proc", "/proc", "--dev", "/dev"]
+    if "--size" in helptext:  # bubblewrap >= 0.7; older: the work dir's disk use is bounded by time x FSIZE only
+        argv += ["--size", str(_BWRAP_TMP_MB << 20)]
+    argv += ["--tmpfs", _BWRAP_WORK, "--dir", "/tmp",
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _BWRAP_WORK, "--clearenv"]
+    for k, v in _child_env(_BWRAP_WORK).items():
+        argv += ["--setenv", k, v]
+    bpf = _seccomp_filter()
+    layers = ("bwrap", "userns", "netns", "pidns", "mountns", "ipcns", "cap-drop", "tmpfs", "rlimits", "audit",
+              f"uid={_NOBODY}") + (("seccomp",) if bpf else ())
+    return _Plan(tuple(argv), interpreter, mounts=False, remap=False, drop=None, layers=layers, bwrap=True,
+                 seccomp=bpf)
 
 
 def _nobody_ids() -> tuple[int, int]:
@@ -503,6 +617,7 @@ def _ro_dirs() -> list[str]:
 
 
 def _candidate_plans() -> list[_Plan]:
+    """`isolation: none`: the best this host offers without bubblewrap (util-linux unshare, a dropped uid)."""
     root = os.geteuid() == 0
     drop = _nobody_ids() if root else None
     unshare = shutil.which("unshare") or next((p for p in ("/usr/bin/unshare", "/bin/unshare")
@@ -533,54 +648,90 @@ def _candidate_plans() -> list[_Plan]:
 _PROBE_CODE = "import math, heapq\nprint('mopd-sandbox-probe', math.isqrt(49), heapq.nsmallest(1, [3, 1]))\n"
 
 
-def _get_plan() -> _Plan:
-    global _PLAN
-    if _PLAN is not None:
-        return _PLAN
+def _probe(plan: _Plan) -> str | None:
+    """None if `plan` runs a program, else why not (one line)."""
+    try:
+        r, _ = _execute(plan, _PROBE_CODE, mode="script", stdin="", tests=(), timeout_s=10.0, memory_mb=512,
+                        max_output_bytes=4096, audit=True)
+    except (SandboxError, OSError) as e:
+        return str(e)
+    if r.ok and "mopd-sandbox-probe 7 [1]" in r.stdout:
+        return None
+    return (r.stderr.strip().splitlines() or ["rc=" + str(r.returncode)])[-1][:200]
+
+
+def _probe_bwrap() -> _Plan:
+    bwrap = shutil.which("bwrap") or next((p for p in _BWRAP_PATHS if os.access(p, os.X_OK)), None)
+    if bwrap is None:
+        raise SandboxError("bubblewrap (bwrap) is not installed; model-written code runs inside it: apt-get install "
+                           "-y bubblewrap (dnf/apk: bubblewrap), " + _OPT_OUT)
+    plan = _bwrap_plan(bwrap)
+    why = _probe(plan)
+    if why is not None:
+        raise SandboxError(f"bubblewrap cannot set up the sandbox here ({why}); {_USERNS_FIX}")
+    return plan
+
+
+def _probe_unshare() -> _Plan:
+    tried = []
+    for plan in _candidate_plans():
+        why = _probe(plan)
+        if why is None:
+            return plan
+        tried.append(f"{' '.join(plan.prefix[1:]) or 'no namespaces'} + {plan.interpreter}: {why}")
+    raise SandboxError("no working sandbox configuration on this host (" + "; ".join(tried) + "); as root the "
+                       "sandboxed interpreter must be readable by uid 65534: set MOPD_SANDBOX_PYTHON to a "
+                       "world-readable python3, or allow `unshare --mount`")
+
+
+def _get_plan(isolation: str = "bwrap") -> _Plan:
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)} (got {isolation!r})")
+    plan = _PLANS.get(isolation)
+    if plan is not None:
+        return plan
     with _PLAN_LOCK:
-        if _PLAN is not None:
-            return _PLAN
-        if sys.platform != "linux":
-            raise SandboxError(f"the code sandbox needs Linux (resource limits, namespaces); this is {sys.platform}")
-        tried = []
-        for plan in _candidate_plans():
-            try:
-                r, _ = _execute(plan, _PROBE_CODE, mode="script", stdin="", tests=(), timeout_s=10.0,
-                                memory_mb=512, max_output_bytes=4096, audit=True)
-            except (SandboxError, OSError) as e:
-                tried.append(f"{' '.join(plan.prefix[1:]) or 'no namespaces'} + {plan.interpreter}: {e}")
-                continue
-            if r.ok and "mopd-sandbox-probe 7 [1]" in r.stdout:
-                _PLAN = plan
-                return plan
-            tried.append(f"{' '.join(plan.prefix[1:]) or 'no namespaces'} + {plan.interpreter}: "
-                         f"{(r.stderr.strip().splitlines() or ['rc=' + str(r.returncode)])[-1][:160]}")
-        raise SandboxError("no working sandbox configuration on this host (" + "; ".join(tried) + "); as root the "
-                           "sandboxed interpreter must be readable by uid 65534: set MOPD_SANDBOX_PYTHON to a "
-                           "world-readable python3, or allow `unshare --mount`")
+        if isolation not in _PLANS:
+            if sys.platform != "linux":
+                raise SandboxError(f"the code sandbox needs Linux (namespaces, resource limits); this is "
+                                   f"{sys.platform}")
+            _PLANS[isolation] = _probe_bwrap() if isolation == "bwrap" else _probe_unshare()
+        return _PLANS[isolation]
 
 
-def sandbox_layers() -> tuple[str, ...]:
-    """The protections this host supports (probes once; raises SandboxError if none works)."""
-    return _get_plan().layers
+def sandbox_layers(isolation: str = "bwrap") -> tuple[str, ...]:
+    """The protections this host supports (probes once per isolation; raises SandboxError if none works)."""
+    return _get_plan(isolation).layers
+
+
+def check_isolation(isolation: str = "bwrap") -> tuple[str, ...]:
+    """Pre-flight of the code sandbox, before any stage: probes `isolation` once (SandboxError, one line naming
+    the fix, where it cannot be set up) and warns on every call with `none` — the opt-out must stay visible in
+    each stage's log. Returns the active layers."""
+    layers = sandbox_layers(isolation)
+    if isolation == "none":
+        log.warning("code sandbox: isolation=none — model-written code runs WITHOUT the bubblewrap boundary "
+                    "(only %s); use it only on hosts without user namespaces", ", ".join(layers))
+    return layers
 
 
 def run_sandboxed(code: str, *, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-                  max_output_bytes: int = 65536, audit_hook: bool = True) -> SandboxResult:
+                  max_output_bytes: int = 65536, audit_hook: bool = True, isolation: str = "bwrap") -> SandboxResult:
     """Run `code` as a Python program (its `__main__`) in the sandbox; see the module docstring.
 
-    `timeout_s` bounds the wall time of the whole child (start-up included, ~20–50 ms); `memory_mb` its
-    address space; stdout/stderr are cut at `max_output_bytes` each (then `truncated`). `audit_hook=False`
-    leaves only the OS-level layers (for testing them); never use it for real rewards.
+    `timeout_s` bounds the wall time of the whole child (start-up included); `memory_mb` its address space;
+    stdout/stderr are cut at `max_output_bytes` each (then `truncated`). `audit_hook=False` leaves only the
+    OS-level layers (for testing them); never use it for real rewards. `isolation`: "bwrap" (the boundary) or
+    "none" (the explicit opt-out, see `check_isolation`).
     """
     _check_args(timeout_s, memory_mb, max_output_bytes)
-    result, _ = _execute(_get_plan(), code, mode="script", stdin=stdin, tests=(), timeout_s=timeout_s,
+    result, _ = _execute(_get_plan(isolation), code, mode="script", stdin=stdin, tests=(), timeout_s=timeout_s,
                          memory_mb=memory_mb, max_output_bytes=max_output_bytes, audit=audit_hook)
     return result
 
 
 def run_python_tests(code: str, tests: Sequence[str], *, timeout_s: float = 5.0, memory_mb: int = 512,
-                     max_output_bytes: int = 65536) -> TestRunResult:
+                     max_output_bytes: int = 65536, isolation: str = "bwrap") -> TestRunResult:
     """Run `code`, then each test statement (e.g. "assert f(2) == 4") in its namespace, in one sandboxed process.
 
     Each test reports pass/fail through a control channel tagged with a per-run secret; tests the process never
@@ -590,7 +741,7 @@ def run_python_tests(code: str, tests: Sequence[str], *, timeout_s: float = 5.0,
     tests = tuple(tests)
     if not all(isinstance(t, str) for t in tests):
         raise TypeError("run_python_tests: tests must be strings (Python statements)")
-    result, passed = _execute(_get_plan(), code, mode="tests", stdin="", tests=tests, timeout_s=timeout_s,
+    result, passed = _execute(_get_plan(isolation), code, mode="tests", stdin="", tests=tests, timeout_s=timeout_s,
                               memory_mb=memory_mb, max_output_bytes=max_output_bytes, audit=True)
     return TestRunResult(tuple(passed), result)
 
@@ -613,58 +764,63 @@ def _read_capped(path: str, cap: int) -> tuple[bytes, bool]:
     return data[:cap], len(data) > cap
 
 
-def _execute(plan: _Plan, code: str, *, mode: str, stdin: str, tests: tuple[str, ...], timeout_s: float,
-             memory_mb: int, max_output_bytes: int, audit: bool) -> tuple[SandboxResult, list[bool]]:
-    """One sandboxed run; returns the result and, in test mode, each test's outcome."""
-    if not isinstance(code, str):
-        raise TypeError(f"code must be a str (got {type(code).__name__})")
-    drop = plan.drop
-    nonce = secrets.token_hex(16)
+def _rlimits(timeout_s: float, memory_mb: int, max_output_bytes: int) -> list:
     cpu = max(1, math.ceil(timeout_s)) + 1
     fsize = max(max_output_bytes + 1, 1 << 16)
-    rlimits = [("RLIMIT_CORE", 0, 0), ("RLIMIT_CPU", cpu, cpu + 1),
-               ("RLIMIT_AS", memory_mb << 20, memory_mb << 20), ("RLIMIT_FSIZE", fsize, fsize),
-               ("RLIMIT_NOFILE", 64, 64), ("RLIMIT_NPROC", 0, 0)]
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="mopd-sbx-", dir=_base_tmp(drop),
-                                     ignore_cleanup_errors=True) as run_dir:
-        run_dir = os.path.realpath(run_dir)
-        work = os.path.join(run_dir, "work")
-        os.mkdir(work, 0o700)
-        mountpoints = []
-        if plan.remap:
-            for i in range(2):
-                mountpoints.append(os.path.join(run_dir, f"py{i}"))
-                os.mkdir(mountpoints[-1], 0o755)
-        if drop:
-            os.chmod(run_dir, 0o711)  # traversable, not listable; its files stay 0600 root
-            os.chown(work, *drop)
-        paths = {k: os.path.join(run_dir, k) for k in ("cfg.json", "stdin", "stdout", "stderr", "ctl")}
-        with open(paths["stdin"], "w", encoding="utf-8") as f:
-            f.write(stdin)
-        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
-                open(paths["stderr"], "wb") as ferr, open(paths["ctl"], "wb") as fctl:
-            cfg = {"nonce": nonce, "ctl_fd": fctl.fileno(), "code": code, "tests": list(tests), "mode": mode,
-                   "work": work, "work_real": work, "run_dir": run_dir, "drop": list(drop) if drop else None,
-                   "rlimits": rlimits, "mounts": plan.mounts, "remap": plan.remap, "mountpoints": mountpoints,
-                   "ro_dirs": _ro_dirs(), "work_mb": 64, "audit": bool(audit)}
-            fd = os.open(paths["cfg.json"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(cfg, f)
-            env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "TMP": work, "TEMP": work,
-                   "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-            argv = [*plan.prefix, plan.interpreter, "-I", "-S", "-B", "-X", "utf8", _RUNNER_PATH, _RUNNER_FLAG,
-                    paths["cfg.json"]]
-            proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env,
-                                    pass_fds=(fctl.fileno(),), start_new_session=True, close_fds=True)
-            timed_out = _wait(proc, t0 + timeout_s, forks="--fork" in plan.prefix)
-        wall = time.monotonic() - t0
-        out, out_cut = _read_capped(paths["stdout"], max_output_bytes)
-        err, err_cut = _read_capped(paths["stderr"], max_output_bytes)
-        ctl_raw, _ = _read_capped(paths["ctl"], 1 << 20)
-    rc = proc.returncode
-    started, blocked, passed = False, [], [False] * len(tests)
-    for line in ctl_raw.decode("utf-8", "replace").splitlines():
+    return [("RLIMIT_CORE", 0, 0), ("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", memory_mb << 20, memory_mb << 20),
+            ("RLIMIT_FSIZE", fsize, fsize), ("RLIMIT_NOFILE", 64, 64), ("RLIMIT_NPROC", 0, 0)]
+
+
+def _prepare_run_dir(plan: _Plan, run_dir: str) -> tuple[str, list[str]]:
+    """The host-side work dir (the child's, without bwrap) and the legacy interpreter mount points."""
+    work = os.path.join(run_dir, "work")
+    os.mkdir(work, 0o700)
+    mountpoints = []
+    if plan.remap:
+        for i in range(2):
+            mountpoints.append(os.path.join(run_dir, f"py{i}"))
+            os.mkdir(mountpoints[-1], 0o755)
+    if plan.drop:
+        os.chmod(run_dir, 0o711)  # traversable, not listable; its files stay 0600 root
+        os.chown(work, *plan.drop)
+    return work, mountpoints
+
+
+def _spawn(plan: _Plan, cfg: dict, run_dir: str, work: str, files: tuple, deadline: float
+           ) -> tuple[subprocess.Popen, bool]:
+    """Start the child (config through the fd of an unlinked file, bwrap's seccomp program through a pipe) and
+    wait for it; returns the process and whether it timed out."""
+    fin, fout, ferr, fctl = files
+    prefix, keep = list(plan.prefix), [fctl.fileno()]
+    if plan.seccomp:
+        sec_r, sec_w = os.pipe()
+        os.write(sec_w, plan.seccomp)
+        os.close(sec_w)
+        prefix += ["--seccomp", str(sec_r)]
+        keep.append(sec_r)
+        cfg["close_fds"] = [sec_r]
+    cfg_path = os.path.join(run_dir, "cfg.json")
+    fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    cfg_fd = os.open(cfg_path, os.O_RDONLY)
+    os.unlink(cfg_path)
+    keep.append(cfg_fd)
+    runner = _BWRAP_RUNNER if plan.bwrap else _RUNNER_PATH
+    argv = [*prefix, plan.interpreter, "-I", "-S", "-B", "-X", "utf8", runner, _RUNNER_FLAG, str(cfg_fd)]
+    try:
+        proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=work,
+                                env=_child_env(cfg["work"]), pass_fds=tuple(keep), start_new_session=True,
+                                close_fds=True)
+    finally:
+        for k in keep[1:]:
+            os.close(k)
+    return proc, _wait(proc, deadline, forks=plan.bwrap or "--fork" in plan.prefix)
+
+
+def _parse_ctl(raw: bytes, nonce: str, n_tests: int) -> tuple[bool, list[str], list[bool]]:
+    started, blocked, passed = False, [], [False] * n_tests
+    for line in raw.decode("utf-8", "replace").splitlines():
         tag, _, msg = line.partition(" ")
         if tag != nonce:
             continue
@@ -674,8 +830,41 @@ def _execute(plan: _Plan, code: str, *, mode: str, stdin: str, tests: tuple[str,
             blocked.append(msg[len("blocked "):])
         elif msg.startswith("test "):
             parts = msg.split()
-            if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < len(tests):
+            if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < n_tests:
                 passed[int(parts[1])] = parts[2] == "1"
+    return started, blocked, passed
+
+
+def _execute(plan: _Plan, code: str, *, mode: str, stdin: str, tests: tuple[str, ...], timeout_s: float,
+             memory_mb: int, max_output_bytes: int, audit: bool) -> tuple[SandboxResult, list[bool]]:
+    """One sandboxed run; returns the result and, in test mode, each test's outcome."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str (got {type(code).__name__})")
+    nonce = secrets.token_hex(16)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mopd-sbx-", dir=_base_tmp(plan.drop),
+                                     ignore_cleanup_errors=True) as run_dir:
+        run_dir = os.path.realpath(run_dir)
+        work, mountpoints = _prepare_run_dir(plan, run_dir)
+        paths = {k: os.path.join(run_dir, k) for k in ("stdin", "stdout", "stderr", "ctl")}
+        with open(paths["stdin"], "w", encoding="utf-8") as f:
+            f.write(stdin)
+        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
+                open(paths["stderr"], "wb") as ferr, open(paths["ctl"], "wb") as fctl:
+            inner = {"work": _BWRAP_WORK, "work_real": _BWRAP_WORK, "run_dir": os.path.dirname(_BWRAP_RUNNER)} \
+                if plan.bwrap else {"work": work, "work_real": work, "run_dir": run_dir}
+            cfg = {"nonce": nonce, "ctl_fd": fctl.fileno(), "code": code, "tests": list(tests), "mode": mode,
+                   **inner, "drop": list(plan.drop) if plan.drop else None,
+                   "rlimits": _rlimits(timeout_s, memory_mb, max_output_bytes), "mounts": plan.mounts,
+                   "remap": plan.remap, "mountpoints": mountpoints, "ro_dirs": [] if plan.bwrap else _ro_dirs(),
+                   "work_mb": 64, "audit": bool(audit)}
+            proc, timed_out = _spawn(plan, cfg, run_dir, work, (fin, fout, ferr, fctl), t0 + timeout_s)
+        wall = time.monotonic() - t0
+        out, out_cut = _read_capped(paths["stdout"], max_output_bytes)
+        err, err_cut = _read_capped(paths["stderr"], max_output_bytes)
+        ctl_raw, _ = _read_capped(paths["ctl"], 1 << 20)
+    rc = proc.returncode
+    started, blocked, passed = _parse_ctl(ctl_raw, nonce, len(tests))
     if not started and not timed_out:  # never score a program 0 because the sandbox itself broke
         raise SandboxError(f"the sandbox failed to start (rc={rc}): "
                            f"{' | '.join(err.decode('utf-8', 'replace').strip().splitlines()[-3:])}")

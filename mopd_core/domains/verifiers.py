@@ -396,14 +396,16 @@ class CodeTests(RealVerifier):
     scoring: `all` (reward 1 iff every test passes — the published protocol; stops at the first failure) or
     `fraction` (share passed). Default: `fraction` for rows with assert / legacy {input, output} tests (the
     behaviour before verifier_args existed), `all` for LiveCodeBench and LeetCode rows. max_tests: only the first
-    N tests. Extracted: the program.
+    N tests. isolation: `bwrap` (default: the bubblewrap boundary of `sandbox`) or `none` (the explicit opt-out
+    for hosts without user namespaces; warned at every stage). Extracted: the program.
     """
 
     name = "code_tests"
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None, *,
-                 scoring: str | None = None, max_tests: int | None = None, **common: Any):
+                 scoring: str | None = None, max_tests: int | None = None, isolation: str = "bwrap", **common: Any):
         super().__init__(**common)
+        _arg_choice(self.name, "isolation", isolation, ("bwrap", "none"))
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
             raise DomainError(f"verifier code_tests: timeout_s must be a number in (0, 3600] (got {timeout_s!r})")
         _arg_type(self.name, "memory_mb", memory_mb, int)
@@ -420,15 +422,16 @@ class CodeTests(RealVerifier):
         self.max_workers = max_workers
         self.scoring = scoring
         self.max_tests = max_tests
+        self.isolation = isolation
 
     def validate(self, example: Example) -> None:
         parse_tests(example)
 
     def check_ready(self) -> None:
-        from .sandbox import SandboxError, sandbox_layers
+        from .sandbox import SandboxError, check_isolation
 
         try:
-            sandbox_layers()  # probes the host once
+            check_isolation(self.isolation)  # probes the host once; `none` warns every time (each stage)
         except SandboxError as e:
             raise DomainError(f"verifier code_tests cannot run here: {e}") from None
 
@@ -441,7 +444,7 @@ class CodeTests(RealVerifier):
         legacy = all(isinstance(t, str) or "testtype" not in t and "check" not in t for t in tests)
         scoring = self.scoring or ("fraction" if legacy else "all")
         code = extract_code(answer)
-        lim = {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
+        lim = {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb, "isolation": self.isolation}
         results: list[bool] = []
         fail: str | None = None
         asserts = [t for t in tests if isinstance(t, str)]
