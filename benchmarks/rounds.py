@@ -88,19 +88,18 @@ def run_one(args) -> int:
 def partial_seed(out_dir: Path, seed: int) -> dict | None:
     """What an unfinished seed's folders hold (`--collect`): each stage's status, steps and, when done, the
     held-out greedy accuracy its stage.json recorded (the same `evaluate_checkpoint` the final table uses)."""
-    from mopd_core.recipe import recipe_plan, stage_dir, stage_label
     from mopd_core.config import load_config
-    from mopd_core.train.checkpoint import checkpoint_dirs, checkpoint_step, read_stage
+    from mopd_core.stages import checkpoint_dirs, checkpoint_step, read_stage, stage_plan
 
     cfg = load_config("tiny", [f"output_dir={out_dir}", "rounds=2", f"seed={seed}", f"name=rounds-s{seed}"])
     if not cfg.run_dir().exists():
         return None
     stages = {}
-    for st, _ in recipe_plan(cfg):
-        d = stage_dir(cfg, st)
+    for spec in stage_plan(cfg):
+        d = spec.stage_dir
         info = read_stage(d) or {}
         ck = checkpoint_dirs(d) if d.exists() else []
-        stages[stage_label(st)] = {"status": info.get("status", "not started"),
+        stages[spec.label] = {"status": info.get("status", "not started"),
                                    "step": info.get("steps") if info.get("status") == "done" else
                                    (checkpoint_step(ck[-1]) if ck else 0),
                                    "eval": {k: v.get("greedy") for k, v in (info.get("eval") or {}).items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from mopd_core.recipe import round_prefix, stage_label
+from mopd_core.stages import round_prefix, round_stage, stage_label
 
 from flows.params import (EvalParams, ExpertParams, MOPDParams, RolloutParams, RuntimeParams, SFTParams,
                           TeachersParams, TrainParams, section_dict)
@@ -22,8 +22,6 @@ def _top(name, seed, output_dir) -> dict:
 
 def _round_stage(stage: str, rnd: int) -> str:
     """A later MOPD round's stage string (`expert:math@r2`, `mopd@r2`): registered as `<name>-r2-…`."""
-    from mopd_core.recipe import round_stage
-
     if not isinstance(rnd, int) or rnd < 1:
         raise ParameterError(f"parameter 'round': {rnd!r} — give the MOPD round this stage belongs to (1, 2, …)")
     return round_stage(stage, rnd)

@@ -119,7 +119,7 @@ def _run(args) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
     if args.cmd == "stage":  # the command line itself, checked before anything is set up
-        given = [k for k in _STAGE_FLAGS["all"] if getattr(args, k) not in (None, [], "")]
+        given = [k for k in _STAGE_FLAGS["all"] if vars(args)[k] not in (None, [], "")]
         wrong = [k for k in given if k not in _STAGE_FLAGS[args.stage]]
         if wrong:  # silently ignoring e.g. `--teacher` on `stage eval` would run something else than asked
             takes = ", ".join(f"--{k}" for k in _STAGE_FLAGS[args.stage])
@@ -168,9 +168,9 @@ def render_preview(example, cfg) -> str | None:
     if cfg is None:
         return None
     from .models.chat import PromptFormatter
-    from .recipe import run_tokenizer
+    from .models import run_tokenizer
 
-    fmt = PromptFormatter(run_tokenizer(cfg), cfg.data.chat)
+    fmt = PromptFormatter(run_tokenizer(cfg.model), cfg.data.chat)
     n = len(fmt.ids(example))
     return (f"{fmt.text(example)!r} ({n} tokens; data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
             f"{', over it' if n > cfg.data.max_prompt_tokens else ''})")

@@ -283,8 +283,11 @@ class SFTConfig(_Model):
 
 
 class RolloutConfig(_Model):
-    backend: Literal["hf", "vllm", "served"] = Field(
-        "hf", description="Generation engine: `hf` (transformers forward with KV cache, any device), `vllm` "
+    backend: Literal["hf", "hf_graphed", "vllm", "served"] = Field(
+        "hf", description="Generation engine: `hf` (transformers forward with KV cache, any device), `hf_graphed` "
+        "(the same with a static KV cache and the decode step captured as a CUDA/NPU graph, for GPUs/NPUs "
+        "without vLLM: the eager engine's samples for a seed up to the kernels' rounding; sdpa or eager "
+        "attention, full-attention models, no FSDP2; uncaptured on cpu), `vllm` "
         "(in-process, GPU/NPU) or `served` (rollout.servers vLLM OpenAI servers started for the stage, the "
         "trainer's weights sent after every update; python, start-up timeout and CPU KV cache as teachers.*).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs use it too.")
@@ -321,6 +324,12 @@ class RolloutConfig(_Model):
         "float32", exclude_if=lambda v: v == "float32",
         description="served backend: vLLM --dtype of the student servers (float32 on CPU matches the trainer's "
         "log-probs).")
+    # left out of the dump while false, so configs without it keep their stage fingerprints
+    ignore_eos: bool = Field(
+        False, exclude_if=lambda v: not v, description="Sample every completion to rollout.max_new_tokens, "
+        "past EOS and the end-of-turn token (vLLM's SamplingParams.ignore_eos): fixed, real lengths for "
+        "benchmarks of random-weight models (configs/gpu_scale.yaml); the stop token still counts as the end for "
+        "truncation flags. Training rollouts and eval alike.")
     engine_process: Literal["inprocess", "separate"] = Field(
         "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
         "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")

@@ -1,7 +1,8 @@
 """Pre-flight: what a stage can check before any compute and before it writes anything — so a mistake costs
 seconds, names the field or file and the fix, and leaves no stage folder behind.
 
-`check_stage(recipe, stage, ...)` is called first thing by every stage entry point in `recipe.py`:
+`check_stage(recipe, spec, ...)` is called first thing by every stage entry point in `recipe.py` (with the stage's
+`stages.StageSpec`), `check_recipe(recipe, plan, ...)` before a recipe's first stage:
 
 - every model the stage loads (the student / `--init`, local teachers, served teachers' checkpoints, eval models)
   is a checkpoint dir that loads: config.json parses, the safetensors headers read (no tensor is loaded) and
@@ -30,10 +31,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .config import RecipeConfig
 from .errors import ConfigError, DataError, DiskFullError
+from .runtime import device as devlib
+from .stages import StageSpec, expert_loop_config
+from .train.loop import check_loop_config
 
 log = logging.getLogger("mopd")
 
@@ -51,31 +55,45 @@ class _Model:
     shape: tuple[int, int, int] | None = None  # hidden size, decoder layers, vocabulary: the activation estimate
 
 
-def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None = None,
-                teachers: Mapping[str, str | Path] | None = None, models: Mapping[str, str | Path] | None = None,
-                domains: Mapping[str, Any] | None = None, endpoints: Any = None,
-                benchmarks: Mapping[str, Any] | None = None, stage_dir: Path | None = None) -> None:
-    """Pre-flight of one stage. `stage`: "recipe", "sft", "expert-<domain>", "eval", or a mopd stage's name
-    ("student", "grpo-baseline"). `student`: the model it starts from (sft: the base; None = `model.base`);
-    `teachers` (mopd) and `models` (eval): {name: checkpoint}; `domains`: the built domains (else built here);
-    `endpoints`: teachers already served (their checkpoints are not loaded here); `benchmarks` (eval, recipe):
-    {domain: `evaluation.load_benchmarks(...)`} already loaded (else loaded here); `stage_dir`: the folder the stage
-    writes when not `<run_dir>/<stage>` (a later round's stages). Raises a `MopdError`."""
-    from .runtime import device as devlib
-
+def check_recipe(recipe: RecipeConfig, plan: Sequence[StageSpec], domains: Mapping[str, Any],
+                 benchmarks: Mapping[str, Any] | None = None) -> None:
+    """Pre-flight of a whole recipe before its first stage: the device, the config of every stage of `plan`, the
+    base model (`model.base`, or the tiny model as it will be built), its context, every prompt of `domains` (the
+    built domains) and `eval_sources` benchmark, and the run folder. Raises a `MopdError`."""
     dinfo = devlib.resolve(recipe.runtime.device)  # a device this host lacks: PlacementError, now
-    if domains is None:
-        from .recipe import build_domains
+    if recipe.rollout.backend == "vllm":
+        from .rollout.engines import check_vllm_backend
 
-        domains = build_domains(recipe)
-    policy = stage not in ("sft", "eval")  # stages that sample rollouts
+        check_vllm_backend(dinfo.torch_device)
+    _check_config(recipe, "recipe", domains, has_teachers=True)  # a recipe's teachers are its experts
+    for spec in plan:  # one round's experts: the later rounds run them with the same config
+        if spec.kind == "expert" and spec.round == 1:
+            check_loop_config(spec.preflight_name, expert_loop_config(recipe), recipe, [spec.domain],
+                              has_teachers=False)
+    stu = _base(recipe)
+    _check_context(recipe, stu, eval=True)
+    _check_prompts(recipe, _tokenizer(stu), domains)
+    _check_benchmarks(recipe, _tokenizer(stu), [stu], benchmarks)  # a bad file fails now, not after the training
+    _check_output_dir(recipe, recipe.run_dir(), stu)
+
+
+def check_stage(recipe: RecipeConfig, spec: StageSpec, *, domains: Mapping[str, Any],
+                student: str | Path | None = None, teachers: Mapping[str, str | Path] | None = None,
+                models: Mapping[str, str | Path] | None = None, endpoints: Any = None,
+                benchmarks: Mapping[str, Any] | None = None) -> None:
+    """Pre-flight of one stage (`spec`), called first by its stage function. `student`: the model it starts from
+    (sft: the base; None = `model.base`); `teachers` (mopd) and `models` (evaluate): {name: checkpoint};
+    `domains`: the built domains; `endpoints`: teachers already served (their checkpoints are not loaded here);
+    `benchmarks` (evaluate): {domain: `evaluation.load_benchmarks(...)`} already loaded. Raises a `MopdError`."""
+    dinfo = devlib.resolve(recipe.runtime.device)  # a device this host lacks: PlacementError, now
+    name, policy = spec.preflight_name, spec.kind in ("expert", "mopd")  # the stages that sample rollouts
     if policy and recipe.rollout.backend == "vllm":
         from .rollout.engines import check_vllm_backend
 
         check_vllm_backend(dinfo.torch_device)
-    _check_config(recipe, stage, domains, has_teachers=bool(teachers) or endpoints is not None
+    _check_config(recipe, name, domains, has_teachers=bool(teachers) or endpoints is not None
                   or bool(recipe.teachers.endpoints))
-    if stage == "eval":
+    if spec.kind == "evaluate":
         evals = [_inspect(recipe, f"eval model '{k}'", v) for k, v in (models or {}).items()]
         for m in evals:
             _check_context(recipe, m, eval=True)
@@ -83,11 +101,11 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
             _check_prompts(recipe, _tokenizer(evals[0]), domains)
             _check_benchmarks(recipe, _tokenizer(evals[0]), evals, benchmarks)
         return  # evaluation writes nothing
-    base = student is None and stage in ("recipe", "sft")
-    stu = _base(recipe) if base else _inspect(recipe, "--init" if stage != "sft" else "--base", student)
+    sft = spec.kind == "sft"
+    stu = _base(recipe) if student is None and sft else _inspect(recipe, "--base" if sft else "--init", student)
     _check_context(recipe, stu, eval=True)
     local_teachers: dict[str, _Model] = {}
-    if teachers and recipe.mopd.w_kd > 0 and not _is_mopd_free(stage):
+    if teachers and recipe.mopd.w_kd > 0 and spec.kind == "mopd":
         served_elsewhere = endpoints is not None or bool(recipe.teachers.endpoints)
         for tid, path in teachers.items():
             if recipe.teachers.backend == "http" and served_elsewhere:
@@ -96,14 +114,11 @@ def check_stage(recipe: RecipeConfig, stage: str, *, student: str | Path | None 
             if recipe.teachers.backend == "local":  # http: the server's max-model-len is checked at connect
                 _check_context(recipe, t, eval=False)
                 local_teachers[tid] = t
-    if policy and stage != "recipe" and stu.num_params:
-        _check_memory(recipe, stage, dinfo.kind, stu, local_teachers)
+    if policy and stu.num_params:
+        _check_memory(recipe, name, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
-    if stage == "recipe":  # a bad benchmark file fails now, not after hours of training
-        _check_benchmarks(recipe, _tokenizer(stu), [stu], benchmarks)
-    if stage_dir is None:
-        stage_dir = recipe.run_dir() if stage == "recipe" else recipe.run_dir() / stage
-    _check_output_dir(recipe, stage_dir, None if _finished(recipe, stage, stage_dir) else stu)
+    # a stage that will be reused writes nothing (retrained after all: a full disk is still caught while saving)
+    _check_output_dir(recipe, spec.stage_dir, None if spec.done() else stu)
 
 
 def _is_mopd_free(stage: str) -> bool:
@@ -112,9 +127,7 @@ def _is_mopd_free(stage: str) -> bool:
 
 def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], has_teachers: bool) -> None:
     """Combinations no stage can run (or that would silently ignore a setting): before the first stage of a
-    recipe, not after the experts have trained."""
-    from .train.loop import check_loop_config
-
+    recipe, not after the experts have trained. `stage`: "recipe", or a `StageSpec.preflight_name`."""
     budget = recipe.train.max_tokens_per_micro_batch
     if budget is not None and stage not in ("sft", "eval") and budget < recipe.max_seq_len():
         # a warning, not an error: such a row still trains, in a micro-batch of its own over the budget
@@ -142,11 +155,7 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
             raise ConfigError(f"mopd.jsd_top_k={m.jsd_top_k} exceeds teachers.max_logprobs={t.max_logprobs} (the "
                               "servers' --max-logprobs): lower mopd.jsd_top_k or raise teachers.max_logprobs")
         check_loop_config("student" if stage == "recipe" else stage, m, recipe, list(domains),
-                          has_teachers=has_teachers or stage == "recipe")  # a recipe's teachers are its experts
-    if stage == "recipe":
-        expert = recipe.expert.model_copy(update={"w_kd": 0.0, "mix": None})  # as recipe.expert_stage runs it
-        for d in recipe.expert_domains():
-            check_loop_config(f"expert-{d}", expert, recipe, [d], has_teachers=False)
+                          has_teachers=has_teachers)
 
 
 # ---------------------------------------------------------------- models
@@ -173,10 +182,9 @@ def _base(recipe: RecipeConfig) -> _Model:
         return _inspect(recipe, "model.base (tiny)", built)
     import torch
 
-    from .models import build_tiny_model
-    from .recipe import run_tokenizer
+    from .models import build_tiny_model, run_tokenizer
 
-    tok = run_tokenizer(recipe)  # the tokenizer base_model will build
+    tok = run_tokenizer(recipe.model)  # the tokenizer base_model will build
     with torch.device("meta"):  # shapes only: no memory, no init
         n = sum(p.numel() for p in build_tiny_model(recipe.model.tiny, len(tok), tok.pad_token_id,
                                                     tok.eos_token_id).parameters())
@@ -248,7 +256,6 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
     activations of one micro-batch (`activation_bytes`: token budget or rows × longest row, gradient
     checkpointing, chunked log-probs), teachers in the compute dtype. A ColocationError before any folder or
     model exists."""
-    from .runtime import device as devlib
     from .runtime.phases import check_colocated_fit, fsdp_gathered_bytes
 
     rt = recipe.runtime
@@ -365,20 +372,6 @@ def _check_prompts(recipe: RecipeConfig, tokenizer, domains: Mapping[str, Any]) 
 
 
 # ---------------------------------------------------------------- output dir
-
-
-def _finished(recipe: RecipeConfig, stage: str, stage_dir: Path) -> bool:
-    """The folder holds this stage finished with the configured steps: likely reused, nothing to write (if it
-    is retrained after all, a full disk is still caught while saving — `DiskFullError`)."""
-    from .train.checkpoint import read_stage
-
-    if stage == "recipe":
-        return False
-    steps = (recipe.sft.steps if stage == "sft" else recipe.expert.steps if stage.startswith("expert-")
-             else recipe.mopd.steps)
-    info = read_stage(stage_dir) if stage_dir.is_dir() else None
-    return bool(info and info.get("status") == "done" and info.get("steps") == steps
-                and (stage_dir / "final").is_dir())
 
 
 def checkpoint_bytes(num_params: int, dtype: str = "float32") -> int:

@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from mopd_core.stages import StageSpec, finished, model_ref_id, read_stage, stage_spec, write_json
+
 from . import tracking
 
 # config sections logged as each stage's MLflow params (what the stage ran with — its identity is the engine's
@@ -66,8 +68,6 @@ def input_identities(inputs: Mapping[str, Mapping[str, Any]], cfg) -> dict[str, 
 def ref_identity(ref: Mapping[str, Any], cfg=None) -> str:
     """The engine's identity of an input model (`model_ref_id` of its local copy; a registry reference without
     one is resolved — downloaded once into the run's refs cache — since its identity file travels with it)."""
-    from mopd_core.recipe import model_ref_id
-
     p = ref.get("path")
     if p and Path(p).exists():
         return model_ref_id(p)
@@ -78,25 +78,22 @@ def ref_identity(ref: Mapping[str, Any], cfg=None) -> str:
     return model_ref_id(ref["ref"])
 
 
-def identity(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]]):
-    from mopd_core.recipe import stage_identity
+def spec_of(stage: str, cfg, inputs: Mapping[str, Mapping[str, Any]]) -> StageSpec:
+    """The engine's spec of `stage` (a stage string) with these input references."""
+    return stage_spec(cfg, stage, input_identities(inputs, cfg))
 
-    return stage_identity(cfg, stage, input_identities(inputs, cfg))
 
-
-def stage_key(stage: str, cfg, ident) -> str:
-    """(stage, engine fingerprint, target steps, run folder) of `ident = identity(stage, cfg, inputs)`: what the
-    stage's result is and where it lies."""
-    blob = {"stage": stage, "fingerprint": ident.fingerprint, "steps": ident.steps,
+def stage_key(spec: StageSpec, cfg) -> str:
+    """(stage, engine fingerprint, target steps, run folder) of `spec`: what the stage's result is and where it
+    lies."""
+    blob = {"stage": spec.stage, "fingerprint": spec.fingerprint, "steps": spec.steps,
             "run_dir": str(cfg.run_dir().resolve())}
-    return f"mopd-{stage.replace(':', '-')}-" + hashlib.sha256(
+    return f"mopd-{spec.stage.replace(':', '-')}-" + hashlib.sha256(
         json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def sidecar_path(stage: str, cfg) -> Path:
-    from mopd_core.recipe import stage_dir
-
-    return stage_dir(cfg, stage) / (EVAL_SIDECAR if stage == "evaluate" else SIDECAR)
+def sidecar_path(spec: StageSpec) -> Path:
+    return spec.stage_dir / (EVAL_SIDECAR if spec.kind == "evaluate" else SIDECAR)
 
 
 def read_sidecar(path: Path) -> dict | None:
@@ -107,23 +104,19 @@ def read_sidecar(path: Path) -> dict | None:
 
 
 def write_sidecar(path: Path, key: str, result: Mapping[str, Any]) -> None:
-    from mopd_core.train.checkpoint import write_json
-
     write_json(Path(path), {"key": key, **result})
 
 
-def tracked_result(stage: str, cfg, key: str, fingerprint: str | None = None) -> dict | None:
+def tracked_result(spec: StageSpec, key: str) -> dict | None:
     """The recorded result of this stage when it is still true: the sidecar has this key, the stage folder (in
-    place, not set aside) is finished under `fingerprint`, and the MLflow run and registered model it names
+    place, not set aside) is the finished stage of `spec`, and the MLflow run and registered model it names
     exist in the current tracking store. None otherwise (the task must run)."""
-    from mopd_core.train.checkpoint import read_stage
-
-    side = read_sidecar(sidecar_path(stage, cfg))
+    side = read_sidecar(sidecar_path(spec))
     if not side or side.get("key") != key:
         return None
-    if stage != "evaluate":
-        info = read_stage(Path(side.get("stage_dir", ""))) or {}
-        if info.get("status") != "done" or (fingerprint and info.get("fingerprint") != fingerprint):
+    if spec.kind != "evaluate":
+        where = Path(side.get("stage_dir", ""))
+        if not finished(read_stage(where), spec.fingerprint, spec.steps, where):
             return None
     if not Path(side.get("path") or side.get("dir") or "").exists():
         return None
@@ -300,13 +293,11 @@ def adhoc_config(cfg, stage: str, inputs: Mapping[str, Mapping[str, Any]]):
     other parameters or inputs never collides with the full recipe's stage folders, the same one is reused, and
     raising `steps` continues it (steps are no part of the fingerprint). Registry inputs are identified by their
     reference here (nothing is downloaded while composing the flow)."""
-    from mopd_core.recipe import stage_identity
-
     ids = {k: (v["ref"] if tracking.is_model_uri(v["ref"]) else ref_identity(v)) for k, v in sorted(inputs.items())}
     if stage == "serve_teachers":
         fp = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16]
     else:
-        fp = stage_identity(cfg, stage, ids).fingerprint
+        fp = stage_spec(cfg, stage, ids).fingerprint
     return cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir) / cfg.name / "stages" / fp[:12])})
 
 

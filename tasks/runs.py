@@ -98,10 +98,10 @@ def validate_parameters(flow: str, config: str, overrides: list[str] | None, sec
         check_teacher_domains(cfg, list(teachers), "teacher_refs")
     if flow == "full-recipe":
         check_teacher_domains(cfg, cfg.expert_domains(), "expert.domains")
-    from mopd_core.recipe import recipe_plan, stage_label
+    from mopd_core.stages import stage_plan
 
     stages = {"sft", "student", "evaluate", "all", *[f"expert-{d}" for d in cfg.domain_names()],
-              *[stage_label(s) for s, _ in recipe_plan(cfg)]}  # a later round's r<r>-expert-<d>, r<r>-student
+              *[s.label for s in stage_plan(cfg)]}  # a later round's r<r>-expert-<d>, r<r>-student
     for r in refresh or []:
         if r not in stages:
             raise ParameterError(f"parameter 'refresh': unknown stage '{r}'; use any of {sorted(stages)}")
@@ -195,7 +195,7 @@ def _pct(v: float | None) -> float:
 def find_champion(cfg, alias: str) -> dict | None:
     """`<name>-student@alias`; with R ≥ 2 rounds the last round's `<name>-r<R>-student@alias` (a champion is a
     student of as many rounds)."""
-    from mopd_core.recipe import last_student_label
+    from mopd_core.stages import last_student_label
 
     name = tracking.registered_name(cfg.name, last_student_label(cfg))
     v = tracking.alias_version(name, alias)

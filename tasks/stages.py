@@ -14,9 +14,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
+from mopd_core.stages import parse_stage, read_stage, teacher_roles
+
 from . import tracking
-from .common import (STAGE_SECTIONS, artifact_key, discard_stage, eval_table, identity, local_path,
-                     publish_eval_tables, metrics_summary, publish_stage, refs_cache_dir, sidecar_path, stage_key,
+from .common import (STAGE_SECTIONS, artifact_key, discard_stage, eval_table, local_path, metrics_summary,
+                     publish_eval_tables, publish_stage, refs_cache_dir, sidecar_path, spec_of, stage_key,
                      tracked_result, write_sidecar)
 from .context import RETRY, prefect_tags
 from .teachers import live_teachers, record_restarts
@@ -32,61 +34,57 @@ def cached(result: dict, message: str):
     return Completed(name="Cached", data=result, message=message)
 
 
-def _last_checkpoint_step(stage_dir: Path, fingerprint: str, steps: int | None) -> int:
-    """The step the engine will resume this stage from (0: it starts, or it is finished at `steps`)."""
-    from mopd_core.train.checkpoint import last_checkpoint_step, read_stage
+def _reuse(spec, key: str, refresh: bool, logger) -> tuple[Any, bool]:
+    """(the `Cached` state when the stage's folder and its MLflow run still hold its result, else None; whether
+    the folder holds the stage finished — then, without a current run, it is logged and registered again from
+    the folder: params, metrics.jsonl, plots, eval, model with lineage tags). `refresh` discards the folder."""
+    if refresh:
+        discard_stage(spec.stage_dir, logger)
+        return None, False
+    if spec.done() is None:
+        return None, False
+    spec.claim()  # brings back a folder set aside for this fingerprint
+    side = tracked_result(spec, key)
+    if side is None:
+        return None, True
+    msg = f"{spec.label}: finished stage {spec.stage_dir} and its MLflow run {side['run_id']} are current — reused"
+    logger.info(msg)
+    return cached({k: v for k, v in side.items() if k != "key"}, msg), True
 
-    info = read_stage(stage_dir) or {}
-    if info.get("fingerprint") != fingerprint or (info.get("status") == "done" and info.get("steps") == steps):
-        return 0
-    return last_checkpoint_step(stage_dir)
 
-
-def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str, Any]], parent_run_id: str | None,
-               refresh: bool, stage_dir: Path, registered: str | None, engine: Callable[[dict], Any],
-               sections: tuple[str, ...], data_domains: list[str],
-               on_end: Callable[[str, Any], None] | None = None, lineage: Mapping[str, Any] | None = None) -> dict:
-    """`on_end(run_id, stage_output | None)`: extra tracking before the child run ends (None: the stage failed).
-    `lineage`: extra tags of the stage's run and registered model, also logged as params (a later round's
-    `mopd.round` and `mopd.parent`, the previous round's student)."""
+def _run_stage(*, spec, cfg, inputs: Mapping[str, Mapping[str, Any]], parent_run_id: str | None, refresh: bool,
+               registered: str | None, engine: Callable[[dict], Any], sections: tuple[str, ...],
+               data_domains: list[str], on_end: Callable[[str, Any], None] | None = None,
+               lineage: Mapping[str, Any] | None = None) -> dict:
+    """Run the engine's stage of `spec` (`engine(local input paths)`) in an MLflow child run. `on_end(run_id,
+    stage_output | None)`: extra tracking before the child run ends (None: the stage failed). `lineage`: extra
+    tags of the stage's run and registered model, also logged as params (a later round's `mopd.round` and
+    `mopd.parent`, the previous round's student)."""
     from mopd_core.recipe import setup_runtime
 
-    from mopd_core.train.checkpoint import claim_stage, stage_done
-
-    logger = get_run_logger()
-    ident = identity(stage, cfg, inputs)
-    key = stage_key(stage, cfg, ident)
-    if refresh:
-        discard_stage(stage_dir, logger)
-    # finished under this fingerprint (in place or set aside): reused as it is, or — when the tracking store does
-    # not know it — logged and registered again from its folder (params, metrics.jsonl, plots, eval, model with
-    # lineage tags) in a new run
-    retracked = not refresh and stage_done(stage_dir, ident.fingerprint, ident.steps) is not None
-    if retracked:
-        claim_stage(stage_dir, ident.fingerprint)  # brings back a folder set aside for this fingerprint
-        side = tracked_result(stage, cfg, key, ident.fingerprint)
-        if side is not None:  # the folder and its MLflow run still hold the result: the task ends Cached
-            msg = f"{label}: finished stage {stage_dir} and its MLflow run {side['run_id']} are current — reused"
-            logger.info(msg)
-            return cached({k: v for k, v in side.items() if k != "key"}, msg)
-    resumed = _last_checkpoint_step(stage_dir, ident.fingerprint, ident.steps)
+    logger, label, stage_dir = get_run_logger(), spec.label, spec.stage_dir
+    key = stage_key(spec, cfg)
+    reused, retracked = _reuse(spec, key, refresh, logger)
+    if reused is not None:
+        return reused
+    resumed = spec.resume_step()
     if retracked:
         logger.info("%s: already trained in %s (fingerprint %s) — logging it to the tracking store again",
-                    label, stage_dir, ident.fingerprint)
+                    label, stage_dir, spec.fingerprint)
     elif resumed:
         logger.info("%s: resuming from the checkpoint of step %d", label, resumed)
     setup_runtime(cfg)
+    lineage = dict(lineage or {})
     run_id = tracking.start_run(cfg.name, label, parent_run_id,
                                 tags={"mopd.stage": label, "mopd.cache_key": key, "mopd.stage_fingerprint":
-                                      ident.fingerprint, "mopd.retracked": str(retracked).lower(),
-                                      **(lineage or {}), **prefect_tags()})
+                                      spec.fingerprint, "mopd.retracked": str(retracked).lower(),
+                                      **lineage, **prefect_tags()})
     link = out = None
     try:
         link = tracking.run_url(run_id)
         logger.info("%s: MLflow run %s", label, link)
         tracking.log_params(run_id, tracking.stage_params(cfg, sections, {k: v["ref"] for k, v in inputs.items()},
-                                                          {"resumed_from_step": resumed, "stage": label,
-                                                           **(lineage or {})}))
+                                                          {"resumed_from_step": resumed, "stage": label, **lineage}))
         tracking.log_datasets(run_id, cfg, data_domains)
         local = {k: local_path(v, refs_cache_dir(cfg)) for k, v in inputs.items()}
         tail = tracking.MetricsTail(run_id, stage_dir / "metrics.jsonl")
@@ -98,25 +96,8 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         wall = time.perf_counter() - t0
         if on_end is not None:
             on_end(run_id, out)
-        ev = out.eval
-        tracking.log_eval(run_id, ev)
-        tracking.log_metric_rows(run_id, [{"step": 0, "wall_s": wall}])
-        tracking.log_plots(run_id, tracking.plot_metrics(rows, stage_dir / "plots"))
-        overlap = publish_timeline(label, cfg.name, run_id, stage_dir)
-        tracking.log_text(run_id, eval_table(ev), "eval.md")
-        model_uri = None
-        if registered:
-            from mopd_core.train.checkpoint import read_stage
-
-            info = read_stage(stage_dir) or {}
-            tags = {**{f"{tracking.INPUT_TAG_PREFIX}{k}": v["ref"] for k, v in inputs.items()},
-                    "mopd.stage": label, "mopd.recipe": cfg.name, "mopd.cache_key": key,
-                    "mopd.stage_fingerprint": info.get("fingerprint", ""), "mopd.results_version":
-                    info.get("results_version", ""), "mopd.git_sha": tracking.git_sha(), "mopd.seed": cfg.seed,
-                    **(lineage or {}), **{f"eval.{d}.{m}": v for d, r in ev.items() for m, v in r.items()}}
-            model_uri = tracking.log_model(run_id, out.model_dir, registered, tags)
-            tracking.set_tags(run_id, {"mopd.registered_model": model_uri})
-            logger.info("%s: registered %s", label, model_uri)
+        overlap = _log_outputs(spec, cfg, run_id, out, rows, wall)
+        model_uri = _register(spec, cfg, run_id, out, registered, inputs, key, lineage) if registered else None
         tracking.end_run(run_id, "FINISHED")
     except BaseException as e:
         if on_end is not None and out is None:
@@ -127,17 +108,48 @@ def _run_stage(*, stage: str, label: str, cfg, inputs: Mapping[str, Mapping[str,
         tracking.end_run(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     result = {"stage": label, "ref": model_uri or str(Path(out.model_dir).resolve()),
-              "path": str(Path(out.model_dir).resolve()), "stage_dir": str(stage_dir.resolve()), "eval": ev,
+              "path": str(Path(out.model_dir).resolve()), "stage_dir": str(stage_dir.resolve()), "eval": out.eval,
               "wall_s": wall, "run_id": run_id, "resumed_from_step": resumed, "retracked": retracked,
-              "steps_logged": len(rows), "fingerprint": ident.fingerprint}
-    write_sidecar(sidecar_path(stage, cfg), key, result)
-    publish_stage(label, cfg.name, f"# {label}\n\nmodel: `{result['ref']}`  \nwall: {wall:.1f} s"
-                  + (f"  \nresumed from step {resumed}" if resumed else "")
-                  + ("  \nreused from its folder (logged to this tracking store again)" if retracked else "")
-                  + f"\n\n## held-out accuracy (%)\n\n{eval_table(ev)}\n\n"
-                  + (f"## phases over time\n\n{overlap}\n\n" if overlap else "")
-                  + "## step metrics\n\n" + metrics_summary(rows), link)
+              "steps_logged": len(rows), "fingerprint": spec.fingerprint}
+    write_sidecar(sidecar_path(spec), key, result)
+    publish_stage(label, cfg.name, _summary(result, overlap, rows), link)
     return result
+
+
+def _log_outputs(spec, cfg, run_id: str, out, rows: list[dict], wall: float) -> str:
+    """A finished stage's eval, wall time, step-metric plots and timeline in its MLflow run; returns the timeline's
+    overlap line for the summary."""
+    tracking.log_eval(run_id, out.eval)
+    tracking.log_metric_rows(run_id, [{"step": 0, "wall_s": wall}])
+    tracking.log_plots(run_id, tracking.plot_metrics(rows, spec.stage_dir / "plots"))
+    overlap = publish_timeline(spec.label, cfg.name, run_id, spec.stage_dir)
+    tracking.log_text(run_id, eval_table(out.eval), "eval.md")
+    return overlap
+
+
+def _register(spec, cfg, run_id: str, out, registered: str, inputs: Mapping[str, Mapping[str, Any]], key: str,
+              lineage: Mapping[str, Any]) -> str:
+    """The stage's model in the registry as `registered`, tagged with its inputs, identity, seed and eval."""
+    info = read_stage(spec.stage_dir) or {}
+    tags = {**{f"{tracking.INPUT_TAG_PREFIX}{k}": v["ref"] for k, v in inputs.items()},
+            "mopd.stage": spec.label, "mopd.recipe": cfg.name, "mopd.cache_key": key,
+            "mopd.stage_fingerprint": info.get("fingerprint", ""), "mopd.results_version":
+            info.get("results_version", ""), "mopd.git_sha": tracking.git_sha(), "mopd.seed": cfg.seed,
+            **lineage, **{f"eval.{d}.{m}": v for d, r in out.eval.items() for m, v in r.items()}}
+    model_uri = tracking.log_model(run_id, out.model_dir, registered, tags)
+    tracking.set_tags(run_id, {"mopd.registered_model": model_uri})
+    get_run_logger().info("%s: registered %s", spec.label, model_uri)
+    return model_uri
+
+
+def _summary(result: Mapping[str, Any], overlap: str, rows: list[dict]) -> str:
+    resumed = result["resumed_from_step"]
+    return (f"# {result['stage']}\n\nmodel: `{result['ref']}`  \nwall: {result['wall_s']:.1f} s"
+            + (f"  \nresumed from step {resumed}" if resumed else "")
+            + ("  \nreused from its folder (logged to this tracking store again)" if result["retracked"] else "")
+            + f"\n\n## held-out accuracy (%)\n\n{eval_table(result['eval'])}\n\n"
+            + (f"## phases over time\n\n{overlap}\n\n" if overlap else "")
+            + "## step metrics\n\n" + metrics_summary(rows))
 
 
 def publish_timeline(label: str, recipe_name: str, run_id: str, stage_dir: Path) -> str:
@@ -173,8 +185,6 @@ def as_ref(result: Mapping[str, Any]) -> dict:
 def round_lineage(stage: str, parent: Mapping[str, Any] | None) -> dict | None:
     """The lineage tags of a round r ≥ 2 stage: its round and the previous round's student (`parent`, a stage
     result or reference) it descends from; None in round 1 (its runs and models are tagged as before rounds)."""
-    from mopd_core.recipe import parse_stage
-
     rnd = parse_stage(stage)[2]
     if rnd == 1:
         return None
@@ -188,9 +198,8 @@ def sft_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, re
     def engine(local: dict):
         return R.sft_stage(cfg, local.get("base") or R.base_model(cfg), progress=True)
 
-    return _run_stage(stage=stage, label="sft", cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
-                      refresh=refresh, stage_dir=cfg.run_dir() / "sft",
-                      registered=tracking.registered_name(cfg.name, "sft"), engine=engine,
+    return _run_stage(spec=spec_of(stage, cfg, inputs), cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
+                      refresh=refresh, registered=tracking.registered_name(cfg.name, "sft"), engine=engine,
                       sections=("runtime",) + STAGE_SECTIONS["sft"], data_domains=cfg.domain_names())
 
 
@@ -200,15 +209,13 @@ def expert_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None,
     """`stage`: "expert:<domain>" (round 1) or "expert:<domain>@r<r>" (round r: `init` = round r−1's student)."""
     from mopd_core import recipe as R
 
-    _, domain, rnd = R.parse_stage(stage)
-    label = R.stage_label(stage)
-    return _run_stage(stage=stage, label=label, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
-                      refresh=refresh, stage_dir=R.stage_dir(cfg, stage),
-                      registered=tracking.registered_name(cfg.name, label),
+    spec = spec_of(stage, cfg, inputs)
+    return _run_stage(spec=spec, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id, refresh=refresh,
+                      registered=tracking.registered_name(cfg.name, spec.label),
                       # experts run concurrently: rich draws one live bar per process, so log lines only there
-                      engine=lambda local: R.expert_stage(cfg, domain, local["init"],
-                                                          progress=not sys.stderr.isatty(), rnd=rnd),
-                      sections=("runtime",) + STAGE_SECTIONS["expert"], data_domains=[domain], lineage=lineage)
+                      engine=lambda local: R.expert_stage(cfg, spec.domain, local["init"],
+                                                          progress=not sys.stderr.isatty(), rnd=spec.round),
+                      sections=("runtime",) + STAGE_SECTIONS["expert"], data_domains=[spec.domain], lineage=lineage)
 
 
 @task(name="mopd", **CACHED)
@@ -221,13 +228,11 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
     from mopd_core import recipe as R
 
     live = live_teachers(endpoints)
-    rnd = R.parse_stage(stage)[2]
-    label = R.stage_label(stage)
+    spec = spec_of(stage, cfg, inputs)
 
     def engine(local: dict):
-        teachers = {k.split(".", 1)[1]: v for k, v in local.items() if k.startswith("teacher.")}
-        return R.mopd_stage(cfg, local["init"], teachers, progress=True,
-                            endpoints=live if live is not None else endpoints, rnd=rnd)
+        return R.mopd_stage(cfg, local["init"], teacher_roles(local), progress=True,
+                            endpoints=live if live is not None else endpoints, rnd=spec.round)
 
     def on_end(run_id: str, out) -> None:
         manifest = (out.teachers if out is not None else None) or (live.manifest() if live is not None else None)
@@ -235,9 +240,8 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
         if any(counts.values()):
             get_run_logger().warning("teacher server restarts during the stage: %s", counts)
 
-    return _run_stage(stage=stage, label=label, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id,
-                      refresh=refresh, stage_dir=R.stage_dir(cfg, stage),
-                      registered=tracking.registered_name(cfg.name, label), engine=engine,
+    return _run_stage(spec=spec, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id, refresh=refresh,
+                      registered=tracking.registered_name(cfg.name, spec.label), engine=engine,
                       sections=("runtime",) + STAGE_SECTIONS["mopd"], data_domains=cfg.domain_names(),
                       on_end=on_end, lineage=lineage)
 
@@ -248,9 +252,10 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
     from mopd_core import recipe as R
 
     logger = get_run_logger()
-    key = stage_key(stage, cfg, identity(stage, cfg, inputs))
+    spec = spec_of(stage, cfg, inputs)
+    key = stage_key(spec, cfg)
     if not refresh:
-        side = tracked_result("evaluate", cfg, key)
+        side = tracked_result(spec, key)
         if side is not None:
             msg = f"evaluate: the same models were evaluated in MLflow run {side['run_id']} — reused"
             logger.info(msg)
@@ -281,5 +286,5 @@ def evaluate_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = Non
     logger.info("held-out accuracy:\n%s", table)
     result = {"accuracy": acc, "table": table, "run_id": run_id, "wall_s": wall,
               "models": {k: v["ref"] for k, v in inputs.items()}, "dir": str(out.resolve())}
-    write_sidecar(sidecar_path("evaluate", cfg), key, result)
+    write_sidecar(sidecar_path(spec), key, result)
     return result

@@ -183,6 +183,15 @@ def load_tokenizer(path_or_id: str | Path, trust_remote_code: bool = False):
     return tok
 
 
+def run_tokenizer(model: ModelConfig):
+    """The tokenizer every stage of a recipe uses (the base model's, which SFT saves with its model; teachers
+    must share it): the tiny one as `build_tiny` builds it (in memory, nothing written), else `model.base`'s
+    loaded as the stages load it (no download)."""
+    if model.base == "tiny":
+        return build_tiny_tokenizer(chat=model.tiny.chat)
+    return load_tokenizer(model.base)
+
+
 def load_model(path_or_id: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
                trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM

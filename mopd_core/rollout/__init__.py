@@ -319,7 +319,6 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         raise ValueError(f"kv_cache={kv_cache!r}: use 'preallocated' or 'dynamic'")
     B, P = prompt_ids.shape
     dev = prompt_ids.device
-    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
     cache = None
     if kv_cache == "preallocated":
         from .kvcache import preallocated_cache
@@ -328,14 +327,38 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     # the mask of every step is a prefix of one buffer (no per-token torch.cat): ones past the prompt
     am_buf = torch.ones((B, P + max_new_tokens), dtype=prompt_mask.dtype, device=dev)
     am_buf[:, :P] = prompt_mask
-    am = am_buf[:, :P]
-    pos = position_ids(am)
-    logits, cache = forward(model, prompt_ids, am, pos, cache=cache, use_cache=True, logits_to_keep=1)
-    next_pos = pos[:, -1:] + 1
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    state = {"am": am_buf[:, :P], "cache": cache}
+    pos = position_ids(state["am"])
+    logits, state["cache"] = forward(model, prompt_ids, state["am"], pos, cache=cache, use_cache=True,
+                                     logits_to_keep=1)
+    state["pos"] = pos[:, -1:] + 1
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        state["am"] = am_buf[:, :state["am"].shape[1] + 1]
+        lg, state["cache"] = forward(model, tok[:, None], state["am"], state["pos"], cache=state["cache"],
+                                     use_cache=True)
+        state["pos"] = state["pos"] + 1
+        return lg[:, -1]
+
+    return decode_loop(logits[:, -1], step, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, greedy=greedy,
+                       generator=generator)
+
+
+def decode_loop(logits: torch.Tensor, step, *, max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int,
+                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                greedy: bool = False, generator: torch.Generator | None = None):
+    """The token loop every in-process sampler shares (`sample`, `rollout.graphed`): from the prompt's last logits
+    `[B,V]`, draw a token per row, then `step(tokens [B]) -> next logits [B,V]`, until `max_new_tokens` or every
+    row drew a stop id (`eos_id`; an empty sequence never stops: ignore_eos). One draw per step from `generator`
+    over the whole batch, so two samplers whose `step` gives the same logits give the same samples. Returns
+    completion ids, mask and behaviour log-probs `[B,T]` (see `sample`)."""
+    dev = logits.device
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
     toks, lps, masks = [], [], []
-    for _ in range(max_new_tokens):
-        lg = logits[:, -1].float() / temperature
+    for i in range(max_new_tokens):
+        lg = logits.float() / temperature
         if greedy:
             logp = torch.log_softmax(lg, dim=-1)
             tok = lg.argmax(-1)
@@ -350,11 +373,10 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
         masks.append(live.long())
         finished = finished | (tok[:, None] == stops).any(-1)  # elementwise: every device backend has it
-        if bool(finished.all()):
+        # the host sync of the all-finished test only where a row can stop; no forward past the budget
+        if i == max_new_tokens - 1 or (stops.numel() and bool(finished.all())):
             break
-        am = am_buf[:, :am.shape[1] + 1]
-        logits, cache = forward(model, toks[-1][:, None], am, next_pos, cache=cache, use_cache=True)
-        next_pos = next_pos + 1
+        logits = step(toks[-1])
     return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
 
 
@@ -416,8 +438,8 @@ class HFRollout(RolloutEngine):
                 chunk = list(examples[s:s + step])
                 ids, mask = encode_prompts(self.tokenizer, chunk, self.device, self.max_prompt_tokens,
                                            formatter=self.formatter)
-                c_ids, c_mask, c_lp = sample(
-                    self.model, ids, mask, max_new_tokens=max_new_tokens, eos_id=stops,
+                c_ids, c_mask, c_lp = self._sample(
+                    ids, mask, max_new_tokens=max_new_tokens, eos_id=stops,
                     pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=min_p, greedy=greedy, generator=generator)
                 texts = self.tokenizer.batch_decode(
@@ -427,6 +449,10 @@ class HFRollout(RolloutEngine):
         finally:
             self.model.train(was_training)
         return concat_batches(parts, self.tokenizer.pad_token_id)
+
+    def _sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kw):
+        """Completion ids, mask and behaviour log-probs of one chunk (`sample`'s arguments after the prompt)."""
+        return sample(self.model, prompt_ids, prompt_mask, **kw)
 
     def sleep(self, level: int | None = None) -> None:
         """No-op: this engine holds no memory of its own (it samples from the trainer's module)."""

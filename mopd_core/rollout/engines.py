@@ -80,7 +80,7 @@ from ..models.chat import formatter_for
 from ..models.lora import export_state_dict
 from . import HFRollout, RolloutBatch, RolloutEngine, assemble_completions, encode_prompts
 
-BACKENDS = ("hf", "vllm", "served")
+BACKENDS = ("hf", "hf_graphed", "vllm", "served")
 _VLLM_FIX = ("install it with `pip install -e .[vllm]` on a CUDA machine (`.[npu]` on Ascend), "
              "or set rollout.backend=hf")
 
@@ -132,6 +132,11 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
         return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
     if backend == "served":
         return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
+    if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it
+        from .graphed import GraphedRollout
+
+        return GraphedRollout(model, tokenizer, device, max_prompt_tokens, chat=chat,
+                              ignore_eos=getattr(cfg, "ignore_eos", False))
     if backend != "vllm":
         raise ValueError(f"rollout.backend='{backend}' is not one of {', '.join(BACKENDS)}")
     check_vllm_backend(device)

@@ -238,7 +238,7 @@ class ServedRollout(RolloutEngine):
     def _write(self, sd: Mapping[str, torch.Tensor], version: int) -> tuple[Path, int]:
         """The weights as an HF checkpoint folder: config/tokenizer files copied from the folder the servers
         started on, `model.safetensors` written from `sd`; renamed into place only when complete."""
-        from safetensors.torch import save_file
+        from ..weights.transports import save_safetensors
 
         src = self._files_src if self._files_src.is_dir() else Path(self.servers.servers[self.names[0]].checkpoint)
         out = self.weights_dir / f"v{version}"
@@ -253,11 +253,12 @@ class ServedRollout(RolloutEngine):
                     os.link(f, tmp / f.name)
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # streamed tensor by tensor from the trainer's memory: no host copy of the whole model first, and views
+        # sharing a storage (parameters bound to weight buckets) need no clone
+        save_safetensors(sd, tmp / "model.safetensors", {"format": "pt"})
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
-        return out, sum(t.numel() * t.element_size() for t in tensors.values())
+        return out, sum(t.numel() * t.element_size() for t in sd.values())
 
     def write_version(self, model_or_sd, version: int) -> dict:
         """Write weight `version` to disk (`weights_dir/v<version>`) without touching the servers — the trainer's

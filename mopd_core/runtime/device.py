@@ -274,3 +274,37 @@ def autocast(kind: str, dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+# ---------------------------------------------------------------- captured device graphs (rollout.graphed)
+
+
+def graphs_supported(kind: str) -> bool:
+    """Can a sequence of kernels be captured once and replayed (`torch.cuda.CUDAGraph`; torch_npu's
+    `torch.npu.NPUGraph`, the same API)? Never on cpu, where the sampler runs the same step uncaptured."""
+    mod = _module(kind)
+    if mod is None:
+        return False
+    return hasattr(mod, "CUDAGraph" if kind == "cuda" else "NPUGraph")
+
+
+def capture_graph(kind: str, fn, warmup: int = 1):
+    """Capture `fn()` (no arguments; it reads and writes tensors that stay allocated) into a device graph and
+    return `(graph, output)`: `graph.replay()` re-runs the kernels and refreshes `output` in place. `fn` is run
+    `warmup` times first on a side stream (lazy library handles, allocator warm-up: the device's documented
+    capture recipe). Autocast's weight-cast cache is off during warm-up and capture: a cached cast would be
+    captured as a stale tensor instead of a cast kernel that reads the current weights at every replay."""
+    mod = _module(kind)
+    graph = mod.CUDAGraph() if kind == "cuda" else mod.NPUGraph()
+    ac = torch.autocast(device_type=kind, dtype=torch.get_autocast_dtype(kind),
+                        enabled=torch.is_autocast_enabled(kind), cache_enabled=False)
+    side = mod.Stream()
+    side.wait_stream(mod.current_stream())
+    with ac, mod.stream(side):
+        for _ in range(warmup):
+            fn()
+    mod.current_stream().wait_stream(side)
+    mod.synchronize()
+    with ac, mod.graph(graph):
+        out = fn()
+    return graph, out

@@ -39,7 +39,7 @@ from ..rollout import RolloutBatch, score_completions
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
 from ..runtime.phases import PhaseScheduler, check_colocated_fit, fsdp_gathered_bytes
-from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, load_loop_state,
+from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, claim_stage, finished, load_loop_state,
                          read_stage, save_checkpoint, write_stage)
 from .microbatch import padded_positions, row_lengths, token_budget_micro_batches, trim
 from .pipeline import Produced
@@ -49,10 +49,6 @@ from .progress import StageProgress
 
 
 log = logging.getLogger("mopd")
-
-# Settings that do not change the trajectory of the steps already taken: left out of the stage fingerprint so
-# that raising `steps` continues a finished stage from its last checkpoint instead of starting over.
-TRAJECTORY_FREE = {"steps", "save_every", "eval_every", "keep_checkpoints"}
 
 
 class NonFiniteLossError(TrainingDivergedError):
@@ -234,8 +230,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     closes the trainer when it ends."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
-    if (info and info.get("fingerprint") == fingerprint and info.get("status") == "done"
-            and info.get("steps") == loop_cfg.steps):
+    if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
     check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
 
@@ -248,7 +243,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     names = list(domains)
     weights = recipe.mix_weights(loop_cfg, _section(loop_cfg), names)
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
-    if info and info.get("status") == "done" and info.get("steps") == loop_cfg.steps:  # brought back from aside
+    if finished(info, fingerprint, loop_cfg.steps, stage_dir):  # brought back from aside
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
 
     ckpts = checkpoint_dirs(stage_dir)

@@ -26,7 +26,7 @@ from ..evaluation import evaluate_model
 from ..models import disk_full_error, load_model, load_tokenizer, save_pretrained
 from ..models.chat import carry_chat_template, check_prompt_kind, formatter_for, preview
 from ..runtime import device as devlib
-from .checkpoint import checkpoint_step, claim_stage, read_stage, trainer_checkpoints, write_stage
+from .checkpoint import checkpoint_step, claim_stage, finished, read_stage, trainer_checkpoints, write_stage
 from .loop import NonFiniteLossError, sample_prompts
 from .progress import StageProgress
 
@@ -86,14 +86,14 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     processes (`runtime.strategy` ddp/fsdp2: `distributed.sft`, one per device, each calling `train_process`);
     this process then loads the trained weights, saves `final/` and evaluates."""
     stage_dir = Path(stage_dir)
-    info = read_stage(stage_dir)
-    if info and info.get("fingerprint") == fingerprint and info.get("status") == "done":
-        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     cfg = recipe.sft
+    info = read_stage(stage_dir)
+    if finished(info, fingerprint, cfg.steps, stage_dir):
+        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     rows = sft_examples(recipe, domains)  # validates data before any compute
     dinfo = devlib.resolve(recipe.runtime.device)
     info = claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
-    if info and info.get("status") == "done":  # brought back from aside
+    if finished(info, fingerprint, cfg.steps, stage_dir):  # brought back from aside
         return SFTResult(stage_dir / "final", info.get("eval", {}), [])
     tokenizer = load_tokenizer(base_path)
     # float32 master weights; the Trainer's bf16/fp16 flags below make runtime.dtype the compute dtype (autocast)

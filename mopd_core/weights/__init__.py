@@ -14,7 +14,8 @@ Torch only (no transformers/ray at import), so Ray workers and spawned receivers
 """
 
 from .buckets import (DEFAULT_BUCKET_BYTES, Bucket, BucketError, BucketLayout, PackedBuckets, TensorMeta,
-                      as_buckets, buckets_from_layout, pack_buckets, plan_buckets, single_tensor_buckets)
+                      as_buckets, bind_to_buckets, buckets_bound, buckets_from_layout, pack_buckets, plan_buckets,
+                      refill_buckets, single_tensor_buckets)
 from .plan import (Layout, Piece, Replicate, Shard, TransferPlan, TransferPlanError, box_slices,
                    build_transfer_plan, column, execute_plan, llama_tp_placement, row, shard_box, shard_sizes,
                    shard_state, shard_tensor)
@@ -24,7 +25,8 @@ from .transports import (CollectiveTransport, CudaIpcTransport, InProcessTranspo
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "BucketError", "BucketLayout", "PackedBuckets", "TensorMeta", "as_buckets",
-    "buckets_from_layout", "pack_buckets", "plan_buckets", "single_tensor_buckets",
+    "bind_to_buckets", "buckets_bound", "buckets_from_layout", "pack_buckets", "plan_buckets", "refill_buckets",
+    "single_tensor_buckets",
     "Layout", "Piece", "Replicate", "Shard", "TransferPlan", "TransferPlanError", "box_slices", "build_transfer_plan",
     "column", "execute_plan", "llama_tp_placement", "row", "shard_box", "shard_sizes", "shard_state", "shard_tensor",
     "CollectiveTransport", "CudaIpcTransport", "InProcessTransport", "Received", "SafetensorsTransport", "Sent",

@@ -17,8 +17,14 @@ Layout
 - Metadata (`BucketLayout`) is plain Python (dtype/device as strings), so it pickles/JSON-serialises to any
   process; the data moves separately through a transport.
 
+Updates (the hand-over of every step after the first): `refill_buckets(packed, named)` re-packs with one fused
+`torch._foreach_copy_` per bucket; `bind_to_buckets(module)` goes further and makes the trainer's parameters
+views of the bucket buffers, so the optimizer writes into the buckets and an update is handed over with no
+re-pack at all — each byte moves once, by the receiver's copy (or not at all, where it maps the buffers).
+
 Public API: `TensorMeta`, `BucketLayout`, `Bucket`, `PackedBuckets`, `plan_buckets(specs, bucket_bytes)`,
-`pack_buckets(named_tensors, bucket_bytes)`, `buckets_from_layout(layout, buffers)`,
+`pack_buckets(named_tensors, bucket_bytes)`, `refill_buckets(packed, named_tensors)`,
+`bind_to_buckets(module, bucket_bytes)`, `buckets_bound(packed, module)`, `buckets_from_layout(layout, buffers)`,
 `single_tensor_buckets(named_tensors)` (one "bucket" per tensor — the per-tensor baseline).
 """
 
@@ -221,15 +227,76 @@ def pack_buckets(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str,
     Gradient tracking is dropped (`.detach()` semantics): buckets carry weights, not autograd graphs.
     """
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    by_name = dict(items)
     layouts = plan_buckets(((n, tuple(t.shape), t.dtype, t.device) for n, t in items), bucket_bytes, oversize)
+    packed = PackedBuckets([Bucket(allocate(lay), lay) for lay in layouts])
+    refill_buckets(packed, dict(items))
+    return packed
+
+
+@torch.no_grad()
+def refill_buckets(packed: PackedBuckets, named_tensors: Mapping[str, torch.Tensor]) -> int:
+    """Copy the current values of `named_tensors` into `packed`'s buffers — the sender's half of every update
+    after the first — with one fused `torch._foreach_copy_` per bucket (not a kernel launch per tensor).
+    Entries whose tensor already is the bucket's view (`bind_to_buckets`) are skipped. Returns the bytes copied:
+    0 when every tensor is bound, else each byte of the unbound ones once."""
+    copied = 0
+    for b in packed.buckets:
+        # the bound test is integer arithmetic on addresses: a view per entry would cost more than a bound
+        # update's whole hand-over on a GPU (hundreds of entries)
+        base, esize, dt = b.buffer.data_ptr(), b.buffer.element_size(), b.buffer.dtype
+        dst, src = [], []
+        for e in b.layout.entries:
+            t = named_tensors.get(e.name)
+            if t is None:
+                raise BucketError(f"no tensor named '{e.name}' to refill its bucket with")
+            if t.dtype == dt and t.data_ptr() == base + e.offset * esize:
+                continue  # bound: the parameter lives in the bucket already
+            dst.append(b.buffer[e.offset:e.offset + e.numel].view(e.shape))
+            src.append(t.detach())
+            copied += e.nbytes
+        if dst:
+            torch._foreach_copy_(dst, src)
+    return copied
+
+
+@torch.no_grad()
+def bind_to_buckets(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    oversize: str = "own") -> PackedBuckets:
+    """Make `module`'s parameters live in flat bucket buffers: each parameter's `.data` becomes a view of its
+    bucket (values copied once, here). From then on the optimizer's in-place updates write straight into the
+    buckets, so handing an update over needs no re-pack (`refill_buckets` copies 0 bytes): one IPC handle per
+    bucket maps the current weights, and the receiver's copy into its own parameters is the only pass over the
+    bytes. The Parameter objects stay the same (an optimizer built before or after keeps working).
+
+    Call it after the module reached its device and dtype and before training: `module.to(...)`, `.half()` or a
+    re-sharding give the parameters new storage and silently unbind them (`buckets_bound` tells; `refill_buckets`
+    then falls back to one fused copy per bucket). Tied parameters are bound once, under their first name
+    (`named_parameters()` order). Plain (non-DTensor) parameters only."""
+    params = list(module.named_parameters())
+    layouts = plan_buckets(((n, tuple(p.shape), p.dtype, p.device) for n, p in params), bucket_bytes, oversize)
+    by_name = dict(params)
     out = []
     for lay in layouts:
         buf = allocate(lay)
+        b = Bucket(buf, lay)
         for e in lay.entries:
-            buf[e.offset:e.offset + e.numel].view(e.shape).copy_(by_name[e.name].detach())
-        out.append(Bucket(buf, lay))
+            view = buf[e.offset:e.offset + e.numel].view(e.shape)
+            view.copy_(by_name[e.name].data)
+            by_name[e.name].data = view
+        out.append(b)
     return PackedBuckets(out)
+
+
+def buckets_bound(packed: PackedBuckets, module: torch.nn.Module) -> bool:
+    """Does every parameter of `module` named in `packed` still live in its bucket (`bind_to_buckets`)?"""
+    params = dict(module.named_parameters())
+    for b in packed.buckets:
+        base, esize = b.buffer.data_ptr(), b.buffer.element_size()
+        for e in b.layout.entries:
+            p = params.get(e.name)
+            if p is None or p.dtype != b.buffer.dtype or p.data_ptr() != base + e.offset * esize:
+                return False
+    return True
 
 
 def buckets_from_layout(layouts: Iterable[BucketLayout], buffers: Iterable[torch.Tensor]) -> PackedBuckets:

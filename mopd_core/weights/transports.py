@@ -319,15 +319,12 @@ class SafetensorsTransport(Transport):
         if isinstance(payload, PackedBuckets):
             tensors = {f"__bucket.{i}": b.buffer for i, b in enumerate(payload.buckets)}
             meta = {self._META_KEY: json.dumps([b.layout.to_dict() for b in payload.buckets])}
+            save_file(tensors, str(tmp), metadata=meta)
         else:
-            tensors, meta = {}, None
-            for name, t in payload.items():
-                t = t.detach()
-                # safetensors refuses views into a larger storage (e.g. received bucket views): store a copy
-                if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                    t = t.contiguous().clone()
-                tensors[name] = t
-        save_file(tensors, str(tmp), metadata=meta)
+            # views into a larger storage (parameters bound to buckets, received bucket views) are written as
+            # they are: safetensors' own writer refuses tensors sharing storage, and a clone each would copy the
+            # model once more before the file write
+            save_safetensors(payload, tmp)
         os.replace(tmp, self.path)
         n, nbytes, _ = _count(payload)
         return Sent(str(self.path), self._report("send", n, nbytes, self.path.stat().st_size, 1, t0))
@@ -353,6 +350,40 @@ class SafetensorsTransport(Transport):
         return Received(tensors, self._report("receive", len(tensors), nbytes, path.stat().st_size, 1, t0), packed)
 
 
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: Mapping[str, str] | None = None) -> int:
+    """Write `tensors` as a safetensors file (the format: an 8-byte little-endian header length, a JSON header of
+    dtype / shape / byte offsets, the raw bytes), streaming each tensor's bytes from its own memory: views that
+    share a storage (parameters bound to buckets) are written without a clone, and device tensors pass through
+    host memory one at a time. `safetensors.torch.load_file` reads the result. Returns the bytes written."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    items, off = [], 0
+    # widest dtypes first (as safetensors' own writer): every tensor's bytes start at a multiple of its item size
+    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
+        t = t.detach()
+        if t.dtype not in _ST_DTYPES:
+            raise TransportError(f"tensor '{name}' has dtype {t.dtype}, which safetensors cannot store")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        items.append(t)
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in items:
+            if t.numel():
+                host = t.contiguous().cpu()  # no-ops for a contiguous CPU view
+                f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    return 8 + len(raw) + off
+
+
 def make_transport(kind: str, **kwargs) -> Transport:
     """`inprocess | cuda_ipc | shared_memory | collective | safetensors` → a transport."""
     kinds = {c.name: c for c in (InProcessTransport, CudaIpcTransport, SharedMemoryTransport,
@@ -364,4 +395,4 @@ def make_transport(kind: str, **kwargs) -> Transport:
 
 __all__ = ["TransferReport", "Sent", "Received", "Transport", "TransportError", "InProcessTransport",
            "CudaIpcTransport", "SharedMemoryTransport", "CollectiveTransport", "SafetensorsTransport",
-           "make_transport"]
+           "make_transport", "save_safetensors"]

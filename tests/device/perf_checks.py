@@ -10,10 +10,16 @@ packages that machine has (torch, transformers, triton; no vLLM, no download):
 3. `handover`: CUDA IPC hand-over of the model's weights to another process (`weights.CudaIpcTransport`, one
    handle per bucket): bytes, pack seconds, seconds from sending the handles to the receiver holding a copy in its
    own parameters (first hand-over: handles opened), and the steady per-update hand-over (the receiver keeps its
-   mapping, the sender re-packs into the same buckets, the receiver copies), against the HBM copy floor (the
-   same bytes through one device-to-device `copy_`). Goal: steady hand-over ≤ 2× the floor.
+   mapping and copies) three ways: re-pack tensor by tensor (the old path), one fused `_foreach_copy_` per bucket
+   (`weights.refill_buckets`), and parameters bound to the buckets (`weights.bind_to_buckets`: no re-pack) —
+   against the HBM copy floor (the same bytes through one device-to-device `copy_`). Goal: the bound path's
+   steady hand-over ≤ 1.5× the floor; the receiver's bytes are checked against the sender's after an update.
 4. `mopd_step`: one colocated MOPD step on the device — `HFRollout` sampling, a local teacher's scores, the
    sampled-token reverse-KL advantage and `train.loop.policy_update` — with seconds and peak memory per phase.
+5. `sampling`: sampling without vLLM — `HFRollout` against `rollout.backend: hf_graphed` (static KV cache, the
+   decode step captured as a CUDA graph) at the 1.7B shape with the real vocabulary, 128 prompts × 512 new tokens
+   (ignore_eos): tokens/s of both, capture seconds, token agreement for one seed, log-prob gaps, peak memory.
+   Goal: ≥ 8× the 523 tokens/s `HFRollout` sampled at in the first device run.
 
     python tests/device/perf_checks.py --out perf.json [--budget-s 420]    # on the GPU (run_all.sh calls it)
     python tests/device/perf_checks.py --dry-run --out /tmp/x.json          # tiny shapes on CPU (the unit test)
@@ -43,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 # dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, by device name (NVIDIA data sheets; SXM parts)
 BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-MFU_GOAL, HANDOVER_GOAL = 0.40, 2.0
+MFU_GOAL, HANDOVER_GOAL = 0.40, 1.5
 
 
 def qwen3_1p7b(vocab: int = 151_936, tiny: bool = False):
@@ -206,44 +212,43 @@ def check_logprob_memory(device, tiny: bool) -> dict:
 
 def _receiver(kind: str, conn, device: str) -> None:
     """Another process (an engine's worker): allocate its own parameters, then per message map the sender's
-    buffers and copy them into its parameters; report the seconds."""
+    buffers and copy them into its parameters; report the seconds. A list message is a new set of layouts (its
+    parameters are reallocated); "checksum" asks for the bytes' sum of its parameters."""
     from mopd_core.weights import BucketLayout, make_transport
     from mopd_core.weights.buckets import allocate
 
     try:
-        msg = conn.recv()  # the layouts first: the receiver's own parameters exist before any hand-over
-        own = [allocate(BucketLayout.from_dict(d), device) for d in msg]
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        conn.send("ready")
-        got = None
+        own, got = None, None
         while True:
             msg = conn.recv()
             if msg is None:
                 break
+            if isinstance(msg, list):  # layouts: the receiver's own parameters exist before any hand-over
+                own = [allocate(BucketLayout.from_dict(d), device) for d in msg]
+                sync(device)
+                conn.send("ready")
+                continue
+            if msg == "checksum":
+                conn.send({"checksum": _checksum(own)})
+                continue
             t0 = time.perf_counter()
             if msg != "again":  # new handles: map them (an engine does this once; later updates reuse them)
                 got = make_transport(kind).receive(msg)
             for dst, b in zip(own, got.buckets.buckets):
                 dst.copy_(b.buffer, non_blocking=True)
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             conn.send({"receive_s": time.perf_counter() - t0})
     except Exception:  # noqa: BLE001 - the parent reports it
         conn.send({"error": traceback.format_exc()[-2000:]})
 
 
-def check_handover(device, tiny: bool, repeats: int = 3) -> dict:
-    from mopd_core.weights import make_transport, pack_buckets
+def _checksum(buffers) -> int:
+    """A sum over the raw bytes of flat buffers (equal bytes ⇒ equal sums; a stale bucket changes it)."""
+    return int(sum(int(b.view(torch.uint8).sum(dtype=torch.int64)) for b in buffers))
 
-    is_cuda = torch.device(device).type == "cuda"
-    kind = "cuda_ipc" if is_cuda else "shared_memory"
-    cfg = qwen3_1p7b(tiny=tiny)
-    model = build(cfg, device, torch.bfloat16)
-    named = {n: t.detach() for n, t in model.state_dict().items()}
-    nbytes = sum(t.numel() * t.element_size() for t in named.values())
-    bucket = 512 << 20 if not tiny else 64 << 10
-    # the HBM copy floor: the same bytes through one device-to-device copy (read + write each byte once)
+
+def _copy_floor(nbytes: int, device) -> float:
+    """The HBM copy floor: the same bytes through one device-to-device copy (read + write each byte once)."""
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(flat)
     floors = []
@@ -253,76 +258,121 @@ def check_handover(device, tiny: bool, repeats: int = 3) -> dict:
         dst.copy_(flat)
         sync(device)
         floors.append(time.perf_counter() - t0)
-    floor = min(floors)
-    del flat, dst
+    return min(floors)
+
+
+def _steady(ask, repack, repeats: int, device) -> list[dict]:
+    """Per-update hand-overs with the receiver's mapping kept: `repack()` (the sender's half: bytes copied; the
+    sender's stream synchronised before the receiver is told, or it could read half-written buckets) then the
+    receiver's copy into its parameters."""
+    rows = []
+    for _ in range(repeats):
+        sync_t0 = time.perf_counter()
+        copied = repack()
+        sync(device)
+        rep = ask("again")
+        rows.append({"update_s": time.perf_counter() - sync_t0, "receive_s": rep["receive_s"],
+                     "bytes_repacked": copied})
+    return rows
+
+
+def check_handover(device, tiny: bool, repeats: int = 3) -> dict:
+    """The first hand-over (handles opened) of freshly packed buckets, then three ways to hand over each later
+    update: the old tensor-by-tensor re-pack, one fused `_foreach_copy_` per bucket (`refill_buckets`), and
+    parameters bound to the bucket storage (`bind_to_buckets`: nothing to re-pack, the receiver's copy is the one
+    pass over the bytes) — the goal is judged on the last, the one the trainer uses."""
+    from mopd_core.weights import bind_to_buckets, make_transport, pack_buckets, refill_buckets
+
+    is_cuda = torch.device(device).type == "cuda"
+    kind = "cuda_ipc" if is_cuda else "shared_memory"
+    model = build(qwen3_1p7b(tiny=tiny), device, torch.bfloat16)
+    named = {n: t.detach() for n, t in model.named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in named.values())
+    bucket = 512 << 20 if not tiny else 64 << 10
+    floor = _copy_floor(nbytes, device)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(kind, child, str(device)), daemon=True)
+    proc.start()
 
-    def recv(timeout: float = 300.0):
-        """The receiver's answer, or an error naming its exit code when it died or hung."""
+    def ask(msg, timeout: float = 300.0):
+        """Send `msg`; the receiver's answer, or an error naming its exit code when it died or hung."""
+        parent.send(msg)
         deadline = time.perf_counter() + timeout
         while not parent.poll(1.0):
             if not proc.is_alive():
                 raise RuntimeError(f"the receiver process exited (code {proc.exitcode}) before answering")
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"the receiver did not answer within {timeout:.0f} s")
-        return parent.recv()
+        rep = parent.recv()
+        if isinstance(rep, dict) and "error" in rep:
+            raise RuntimeError(f"receiver failed: {rep['error']}")
+        return rep
 
-    proc = ctx.Process(target=_receiver, args=(kind, child, str(device)), daemon=True)
-    proc.start()
-    rows = []
     tr = make_transport(kind)
     try:
-        t0 = time.perf_counter()
-        packed = pack_buckets(named, bucket)
-        sync(device)
-        pack_s = time.perf_counter() - t0
-        parent.send([b.layout.to_dict() for b in packed.buckets])
-        first = recv()
-        if first != "ready":
-            raise RuntimeError(f"receiver failed: {first}")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sent = tr.send(packed)
-            parent.send(sent.message)
-            rep = recv()
-            if "error" in rep:
-                raise RuntimeError(f"receiver failed: {rep['error']}")
-            rows.append({"handover_s": time.perf_counter() - t0, "receive_s": rep["receive_s"],
-                         "send_s": sent.report.seconds, "bytes_copied_by_transport": sent.report.bytes_copied,
-                         "messages": sent.report.messages})
-        # steady state: the receiver keeps the buffers it mapped; each update the sender re-packs the new weights
-        # into the same buckets (one device copy) and the receiver copies them into its parameters (one more) —
-        # two passes over the bytes, so 2× the one-copy floor is the bound. (With shared memory — the CPU dry
-        # run — send itself writes the segments, so this loop only exercises the code: stale bytes, no goal.)
-        steady = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for b in packed.buckets:
-                    for e in b.layout.entries:
-                        b.buffer[e.offset:e.offset + e.numel].view(e.shape).copy_(named[e.name])
-            parent.send("again")
-            rep = recv()
-            if "error" in rep:
-                raise RuntimeError(f"receiver failed: {rep['error']}")
-            steady.append({"update_s": time.perf_counter() - t0, "receive_s": rep["receive_s"]})
+        out = _handover_runs(ask, tr, named, model, bucket, repeats, floor, bind_to_buckets, pack_buckets,
+                             refill_buckets)
         parent.send(None)
     finally:
         tr.release()
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    best = min(r["handover_s"] for r in rows)
-    out = {"transport": kind, "bytes": nbytes, "buckets": len(packed.buckets), "pack_s": pack_s,
-           "copy_floor_s": floor, "copy_floor_gbps": nbytes / floor / 1e9, "runs": rows, "handover_s_best": best,
-           "handover_over_floor": best / floor, "pack_plus_handover_over_floor": (pack_s + best) / floor,
-           "goal_over_floor": HANDOVER_GOAL, "steady": steady}
-    # the goal is judged on the per-update hand-over an engine pays every step
-    sb = min(r["update_s"] for r in steady)
-    out.update({"steady_update_s_best": sb, "steady_over_floor": sb / floor,
-                "goal_met": sb / floor <= HANDOVER_GOAL if is_cuda else None})
+    out.update({"transport": kind, "bytes": nbytes, "copy_floor_s": floor, "copy_floor_gbps": nbytes / floor / 1e9,
+                "goal_over_floor": HANDOVER_GOAL})
+    out["goal_met"] = out["steady_over_floor"] <= HANDOVER_GOAL if is_cuda else None
     return out
+
+
+def _handover_runs(ask, tr, named, model, bucket, repeats, floor, bind_to_buckets, pack_buckets,
+                   refill_buckets) -> dict:
+    t0 = time.perf_counter()
+    packed = pack_buckets(named, bucket)
+    sync(next(iter(named.values())).device)
+    pack_s = time.perf_counter() - t0
+    if ask([b.layout.to_dict() for b in packed.buckets]) != "ready":
+        raise RuntimeError("the receiver did not allocate its parameters")
+    rows = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sent = tr.send(packed)
+        rep = ask(sent.message)
+        rows.append({"handover_s": time.perf_counter() - t0, "receive_s": rep["receive_s"],
+                     "send_s": sent.report.seconds, "bytes_copied_by_transport": sent.report.bytes_copied,
+                     "messages": sent.report.messages})
+
+    def per_tensor():  # the path before refill_buckets: a copy kernel per tensor
+        with torch.no_grad():
+            for b in packed.buckets:
+                for e in b.layout.entries:
+                    b.buffer[e.offset:e.offset + e.numel].view(e.shape).copy_(named[e.name])
+        return packed.nbytes
+
+    # (with shared memory — the CPU dry run — send itself writes the segments, so "again" re-reads stale bytes:
+    # the loops only exercise the code there)
+    dev = next(iter(named.values())).device
+    old = _steady(ask, per_tensor, repeats, dev)
+    fused = _steady(ask, lambda: refill_buckets(packed, named), repeats, dev)
+    # the trainer's parameters become views of the buckets; the receiver maps their handles once
+    bound = bind_to_buckets(model, bucket)
+    sync(dev)
+    params = {n: p for n, p in model.named_parameters()}
+    ask(tr.send(bound).message)
+    steady = _steady(ask, lambda: refill_buckets(bound, params), repeats, dev)
+    with torch.no_grad():  # an optimizer-like in-place update, handed over: the receiver holds the new bytes
+        torch._foreach_add_(list(params.values()), 1.0)
+    sync(dev)
+    ask("again" if tr.name == "cuda_ipc" else tr.send(bound).message)
+    matches = ask("checksum")["checksum"] == _checksum([b.buffer for b in bound.buckets])
+    best = min(r["handover_s"] for r in rows)
+    sb = min(r["update_s"] for r in steady)
+    return {"buckets": len(bound.buckets), "pack_s": pack_s, "runs": rows, "handover_s_best": best,
+            "handover_over_floor": best / floor, "pack_plus_handover_over_floor": (pack_s + best) / floor,
+            "steady_per_tensor_repack": old, "steady_per_tensor_over_floor": min(r["update_s"] for r in old) / floor,
+            "steady_foreach_repack": fused, "steady_foreach_over_floor": min(r["update_s"] for r in fused) / floor,
+            "steady": steady, "steady_path": "bind_to_buckets (parameters are views of the buckets)",
+            "steady_update_s_best": sb, "steady_over_floor": sb / floor, "receiver_matches_sender": matches}
 
 
 # ---------------------------------------------------------------- 4. a colocated MOPD step
@@ -381,6 +431,112 @@ def check_mopd_step(device, tiny: bool) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- 5. sampling without vLLM: eager vs graphed
+
+
+SAMPLING_GOAL_TOKENS_PER_S = 8 * 523  # 8× HFRollout's 523 tokens/s measured on an H200 at commit 81997e3
+
+
+def _sampling_prompts(vocab: int, batch: int, width: int, device):
+    """Random prompt ids, left-padded to `width`, real lengths from width/4 to width (rows of different widths,
+    as a real batch)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, width), generator=g)
+    lens = torch.randint(max(1, width // 4), width + 1, (batch,), generator=g)
+    mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
+    return (ids * mask).to(device), mask.to(device)
+
+
+def _agreement(a_ids, a_lp, b_ids, b_lp) -> dict:
+    """Token agreement of two samplings from one seed over their common length, the first step at which each row
+    diverges, and the largest |Δ log-prob| before it (after a divergence the rows condition on other tokens)."""
+    T = min(a_ids.shape[1], b_ids.shape[1])
+    same = (a_ids[:, :T] == b_ids[:, :T])
+    first = torch.where(same.all(1), torch.full_like(same[:, 0], T, dtype=torch.long),
+                        (~same).float().argmax(1).long())
+    before = torch.arange(T, device=same.device)[None, :] < first[:, None]
+    gap = (a_lp[:, :T].double() - b_lp[:, :T].double()).abs()[before]
+    return {"tokens_compared": int(same.numel()), "identical_fraction": float(same.float().mean()),
+            "rows_identical": int(same.all(1).sum()), "first_divergence_min": int(first.min()),
+            "first_divergence_median": float(first.float().median()),
+            "max_abs_logp_diff_before_divergence": float(gap.max()) if gap.numel() else None}
+
+
+def _scorer_gap(model, ids, mask, c_ids, c_lp) -> float:
+    """Max |behaviour log-prob − the trainer's `completion_logprobs`| over the samples (both at temperature 1):
+    what the PPO ratio sees at step 0."""
+    from mopd_core.rollout import RolloutBatch, completion_logprobs
+
+    with torch.no_grad():
+        full = torch.ones_like(c_ids)
+        lp = completion_logprobs(model, RolloutBatch(ids, mask, c_ids, full, c_lp), 1.0, micro_batch_size=16)
+    return float((lp.double() - c_lp.double()).abs().max())
+
+
+def _graphed_runs(graphed, ids, mask, kw, new: int, device):
+    """Two calls: the first builds the cache and captures the step, the second reuses both."""
+    runs = []
+    for _ in range(2):
+        reset_peak(device)
+        sync(device)
+        t0 = time.perf_counter()
+        g_ids, g_mask, g_lp = graphed._sample(ids, mask, **{**kw, "max_new_tokens": new},
+                                              generator=torch.Generator(device).manual_seed(0))
+        sync(device)
+        sec = time.perf_counter() - t0
+        runs.append({"seconds": sec, "tokens": int(g_mask.sum()), "tokens_per_s": int(g_mask.sum()) / sec,
+                     "capture_s": graphed.decoder.capture_s, "peak_mem_gib": peak_mem(device)})
+    return runs, (g_ids, g_lp)
+
+
+def check_sampling(device, tiny: bool) -> dict:
+    """`HFRollout` (eager, launch-bound) against `GraphedRollout` (`rollout.backend: hf_graphed`: static KV cache,
+    the decode step captured as a device graph) on the Qwen3-1.7B shape with the real vocabulary, bf16, random
+    weights, 128 prompts × 512 new tokens with ignore_eos (every row full length). Eager runs only `eager_new`
+    tokens (at ~0.1-0.2 s a step 512 would take minutes): its tokens/s is measured there and is, if anything,
+    optimistic (its attention reads a shorter cache). Both engines sample from the same seed; the agreement is
+    measured over the eager tokens."""
+    from mopd_core.rollout import HFRollout
+    from mopd_core.rollout.graphed import GraphedRollout
+
+    cfg = qwen3_1p7b(tiny=tiny)
+    dtype = torch.bfloat16 if not tiny else torch.float32
+    B, P, new, eager_new = (128, 64, 512, 32) if not tiny else (4, 6, 8, 8)
+    model = build(cfg, device, dtype).eval()
+    ids, mask = _sampling_prompts(cfg.vocab_size, B, P, device)
+    kw = dict(max_new_tokens=eager_new, eos_id=[], pad_id=0)  # no stop id: ignore_eos
+    res = {"batch": B, "prompt_width": P, "max_new_tokens": new, "eager_new_tokens": eager_new,
+           "vocab": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch."),
+           "goal_tokens_per_s": SAMPLING_GOAL_TOKENS_PER_S}
+    eager = HFRollout(model, None, device)
+    eager._sample(ids, mask, **{**kw, "max_new_tokens": 2}, generator=torch.Generator(device).manual_seed(1))  # warm
+    sync(device)
+    t0 = time.perf_counter()
+    e_ids, _, e_lp = eager._sample(ids, mask, **kw, generator=torch.Generator(device).manual_seed(0))
+    sync(device)
+    e_s = time.perf_counter() - t0
+    res["eager"] = {"seconds": e_s, "tokens": B * eager_new, "tokens_per_s": B * eager_new / e_s}
+    graphed = GraphedRollout(model, None, device, ignore_eos=True)
+    try:
+        runs, (g_ids, g_lp) = _graphed_runs(graphed, ids, mask, kw, new, device)
+    except Exception:  # noqa: BLE001 - the capture failed here: say why, and measure the static cache uncaptured
+        res["capture_error"] = traceback.format_exc()[-3000:]
+        graphed.close()
+        graphed = GraphedRollout(model, None, device, ignore_eos=True, capture=False)
+        runs, (g_ids, g_lp) = _graphed_runs(graphed, ids, mask, kw, new, device)
+    res["graphed_capture"] = graphed.capture
+    res["graphed"] = {"first_call": runs[0], "steady": runs[1], "builds": graphed.builds,
+                      "tokens_per_s": runs[1]["tokens_per_s"], "decode_step_ms": 1e3 * runs[1]["seconds"] / new}
+    res["speedup_vs_eager"] = runs[1]["tokens_per_s"] / res["eager"]["tokens_per_s"]
+    res["agreement"] = _agreement(e_ids, e_lp, g_ids, g_lp)
+    res["behaviour_vs_scorer_max_abs_logp"] = {
+        "eager": _scorer_gap(model, ids, mask, e_ids, e_lp),
+        "graphed": _scorer_gap(model, ids, mask, g_ids, g_lp)}
+    res["goal_met"] = res["graphed"]["tokens_per_s"] >= SAMPLING_GOAL_TOKENS_PER_S if not tiny else None
+    graphed.close()
+    return res
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -388,11 +544,12 @@ def run(device: str, tiny: bool, budget_s: float, only: list[str] | None = None)
     t_all = time.perf_counter()
     # seconds each check needs on an H200 (measured: none yet — estimates with margin); a check starts only
     # when that much budget is left
-    need = {"mfu": 150, "logprob_memory": 40, "handover": 60, "mopd_step": 90}
+    need = {"mfu": 150, "logprob_memory": 40, "handover": 60, "mopd_step": 90, "sampling": 60}
     checks = {"mfu": lambda left: check_mfu(device, tiny, min(left - 20, 150)),
               "logprob_memory": lambda left: check_logprob_memory(device, tiny),
               "handover": lambda left: check_handover(device, tiny),
-              "mopd_step": lambda left: check_mopd_step(device, tiny)}
+              "mopd_step": lambda left: check_mopd_step(device, tiny),
+              "sampling": lambda left: check_sampling(device, tiny)}
     out: dict = {"device": device, "dry_run": tiny, "budget_s": budget_s, "checks": {}}
     if torch.device(device).type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(0)
@@ -423,7 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (the code path only)")
     ap.add_argument("--budget-s", type=float, default=420.0)
-    ap.add_argument("--only", default="", help="comma-separated subset of mfu,logprob_memory,handover,mopd_step")
+    ap.add_argument("--only", default="", help="comma-separated subset of mfu,logprob_memory,handover,mopd_step,"
+                    "sampling")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.dry_run:

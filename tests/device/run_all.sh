@@ -37,7 +37,8 @@ export MOPD_DEVICE_RESULTS="$TMP/records.jsonl" HF_HUB_OFFLINE=1 TOKENIZERS_PARA
 RUN_PERF=${SKIP_PERF:+0}; RUN_PERF=${RUN_PERF:-1}
 if [ "$#" -eq 1 ] && [ "$1" = perf ]; then FILES=(); RUN_PERF=1
 elif [ "$#" -gt 0 ]; then FILES=("$@"); RUN_PERF=0; else
-  FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_fsdp2.py test_vllm_rollout.py test_vllm_ipc.py
+  FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_graphed_sampler.py test_fsdp2.py
+         test_vllm_rollout.py test_vllm_ipc.py
          test_colocated_step.py test_async_benchmark.py)
 fi
 

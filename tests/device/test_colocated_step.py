@@ -122,7 +122,7 @@ def _loop_uses_build_rollout() -> bool:
     return "build_rollout" in inspect.getsource(loop)
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", ["hf", "hf_graphed", "vllm"])
 def test_mopd_stage_colocated(backend, tmp_path):
     kind = require()
     for mod in ("pydantic", "datasets", "yaml"):  # the recipe's stack (a bare accelerator image may lack it)

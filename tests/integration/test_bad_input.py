@@ -232,8 +232,8 @@ def test_completion_over_the_model_context_fails_before_sft(tmp_path):
     with pytest.raises(E.ConfigError, match=f"= {ctx + 1} exceeds"):  # the one-stage entry point too
         R.sft_stage(cfg, progress=False)
     _nothing_written(tmp_path / "out")
-    R.preflight.check_stage(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-        update={"max_new_tokens": T - 1})}), "sft")  # one token less fits
+    fits = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_new_tokens": T - 1})})
+    R.preflight.check_stage(fits, R.stage_spec(fits, "sft", {}), domains=R.build_domains(fits))  # one token less
 
 
 def test_eval_budget_over_the_context_names_eval_max_new_tokens(tiny_model, tmp_path):
@@ -350,7 +350,8 @@ def test_disk_space_estimate_is_weights_plus_adam_state(tiny_model, tmp_path, mo
         R.expert_stage(cfg, "math", tiny_model, progress=False)
     _nothing_written(tmp_path / "out")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need))
-    R.preflight.check_stage(cfg, "expert-math", student=tiny_model)  # exactly enough: passes
+    spec = R.stage_spec(cfg, "expert:math", {"init": R.model_ref_id(tiny_model)})
+    R.preflight.check_stage(cfg, spec, student=tiny_model, domains=R.build_domains(cfg))  # exactly enough: passes
 
 
 # ---------------------------------------------------------------- a full disk while writing a checkpoint
@@ -445,8 +446,9 @@ def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
     with pytest.raises(ColocationError, match=r"phase 'train' needs .* with 3 teacher\(s\) all resident"):
         R.mopd_stage(cfg, tiny_model, teachers, progress=False)
     _nothing_written(tmp_path / "out")
-    R.preflight.check_stage(cfg.model_copy(update={"teachers": cfg.teachers.model_copy(update={"offload": True})}),
-                            "student", student=tiny_model, teachers=teachers)  # offloaded: 4w fits 6w
+    off = cfg.model_copy(update={"teachers": cfg.teachers.model_copy(update={"offload": True})})
+    R.preflight.check_stage(off, R.mopd_spec(off, tiny_model, teachers), student=tiny_model, teachers=teachers,
+                            domains=R.build_domains(off))  # offloaded: 4w fits 6w
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -74,8 +74,8 @@ MUTANTS: list[Mutant] = [
            "diff = diff.clamp(min=-1e9, max=1e9)",
            "mopd.kd_clip not applied to the distillation advantage (one wild teacher token dominates a batch)"),
     Mutant("sampler_temperature_ignored", "mopd_core/rollout/__init__.py",
-           "lg = logits[:, -1].float() / temperature",
-           "lg = logits[:, -1].float()",
+           "lg = logits.float() / temperature",
+           "lg = logits.float()",
            "the sampler ignores rollout.temperature, so the behaviour log-probs are of another distribution than "
            "the trainer's", ["tests/unit/test_models_rollout.py", "tests/unit/test_rollout_engines.py"]),
 ]

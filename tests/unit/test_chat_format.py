@@ -43,7 +43,7 @@ INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "s
 
 
 def _fps(cfg) -> dict[str, str]:
-    return {s: R.stage_identity(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
+    return {s: R.stage_spec(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
 
 
 @pytest.fixture(scope="module")

@@ -340,12 +340,12 @@ def test_vllm_sampling_params_carry_top_k_and_min_p_only_when_set():
 
 def test_default_tiny_fingerprints_are_unchanged_and_eval_sources_are_part_of_them():
     cfg = load_config("tiny")
-    assert {s: R.stage_identity(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS} == DEFAULT_FPS
+    assert {s: R.stage_spec(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS} == DEFAULT_FPS
     assert all("eval_sources" not in d for d in cfg.data.model_dump()["domains"])
     on = load_config("tiny", ['data.domains.math.eval_sources=[{name: aime, source: a.jsonl, n: 4, temperature: 0.6,'
                               ' top_k: 20, metrics: [mean@n, pass@4]}]'])
     assert on.data.domains[0].eval_sources[0].headline() == "mean@4"
-    assert R.stage_identity(on, "evaluate", INPUTS).fingerprint != DEFAULT_FPS["evaluate"]
+    assert R.stage_spec(on, "evaluate", INPUTS).fingerprint != DEFAULT_FPS["evaluate"]
     assert EV.eval_sources_of(on) == {"math": list(on.data.domains[0].eval_sources)}
 
 

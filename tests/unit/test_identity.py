@@ -8,6 +8,7 @@ import pytest
 
 from mopd_core import config as C
 from mopd_core import recipe as R
+from mopd_core.stages import identity as S
 from mopd_core.config import load_config
 from mopd_core.train.checkpoint import MODEL_IDENTITY, write_stage
 from tests.conftest import tiny_overrides
@@ -19,7 +20,7 @@ def cfg(tmp_path):
 
 
 def _ids(cfg, **kw):
-    return {s: R.stage_identity(cfg, s, {"init": "stage:abc:3", "teacher.math": "stage:m:3",
+    return {s: R.stage_spec(cfg, s, {"init": "stage:abc:3", "teacher.math": "stage:m:3",
                                          "teacher.code": "stage:c:3", "teacher.if": "stage:i:3", **kw})
             for s in ("sft", "expert:math", "mopd")}
 
@@ -51,12 +52,12 @@ def test_result_fields_inputs_seed_and_results_version_are(cfg, monkeypatch):
 
 def test_engine_and_orchestrator_compute_the_same_fingerprint(cfg, tmp_path):
     base = R.base_model(cfg)
-    assert R.stage_identity(cfg, "sft", {}).fingerprint == R.sft_fingerprint(cfg, base)  # known before the build
+    assert R.stage_spec(cfg, "sft", {}).fingerprint == R.sft_fingerprint(cfg, base)  # known before the build
     final = tmp_path / "t" / "sft" / "final"
     shutil.copytree(base, final)
     write_stage(final.parent, {"stage": "sft", "fingerprint": "f00", "status": "done", "steps": 6})
     assert (final / MODEL_IDENTITY).exists()
-    ident = R.stage_identity(cfg, "expert:math", {"init": R.model_ref_id(final)})
+    ident = R.stage_spec(cfg, "expert:math", {"init": R.model_ref_id(final)})
     assert ident.fingerprint == R.expert_fingerprint(cfg, "math", final)
     # the identity travels with the model dir: a copy elsewhere (a registry download) is the same input
     moved = tmp_path / "download" / "model"
@@ -81,7 +82,7 @@ def test_benchmarks_change_only_the_eval_identity_and_a_template_counts_by_conte
         f"[{{name: m, source: {real}, verifier: math_verify}}]}}]", *ov[-3:]])
     for s, ident in _ids(bench).items():
         assert ident.fingerprint == _ids(base)[s].fingerprint, s
-    assert R._eval_fp(bench, {"student": "x"}) != R._eval_fp(base, {"student": "x"})
+    assert S._eval_fp(bench, {"student": "x"}) != S._eval_fp(base, {"student": "x"})
 
     def with_template(path):
         return load_config("tiny", ov + ["model.tiny.chat=true", "data.chat.enabled=true",

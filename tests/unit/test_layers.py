@@ -21,6 +21,7 @@ ENGINE_LAYERS: list[list[str]] = [
     ["mopd_core.errors", "mopd_core.config", "mopd_core.runtime"],  # runtime: the device layer + phase scheduler
     ["mopd_core.models", "mopd_core.domains"],
     ["mopd_core.rollout", "mopd_core.teachers", "mopd_core.algorithms", "mopd_core.weights", "mopd_core.evaluation"],
+    ["mopd_core.stages"],  # what a stage is (plan, identity, folder record): below the code that runs one
     ["mopd_core.train"],
     ["mopd_core.distributed"],
     ["mopd_core.recipe", "mopd_core.preflight"],

@@ -262,7 +262,7 @@ def test_logprob_impl_is_part_of_the_rl_fingerprints_only(tmp_path):
     other.train.logprob_impl = "full"
     inputs = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3",
               "teacher.if": "stage:i:3"}
-    fp = {s: (R.stage_identity(cfg, s, inputs).fingerprint, R.stage_identity(other, s, inputs).fingerprint)
+    fp = {s: (R.stage_spec(cfg, s, inputs).fingerprint, R.stage_spec(other, s, inputs).fingerprint)
           for s in ("sft", "expert:math", "mopd")}
     assert fp["sft"][0] == fp["sft"][1]  # SFT is TRL's SFTTrainer: not ours to chunk
     assert fp["expert:math"][0] != fp["expert:math"][1] and fp["mopd"][0] != fp["mopd"][1]

@@ -182,7 +182,7 @@ def test_lora_is_off_by_default_and_fingerprinted_only_when_set(tmp_path):
     ids = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3"}
 
     def fp(c):
-        return {s: R.stage_identity(c, s, ids).fingerprint for s in ("sft", "expert:math", "mopd")}
+        return {s: R.stage_spec(c, s, ids).fingerprint for s in ("sft", "expert:math", "mopd")}
 
     base = fp(cfg)
     on = load_config("tiny", tiny_overrides(tmp_path) + ["expert.lora={}"])

@@ -165,7 +165,7 @@ def test_budget_is_validated_and_fingerprinted_only_when_set(tmp_path):
     assert R.train_fingerprint_part(other) == {"logprob_impl": "chunked", "max_tokens_per_micro_batch": 256}
     inputs = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3",
               "teacher.if": "stage:i:3"}
-    fp = {s: (R.stage_identity(cfg, s, inputs).fingerprint, R.stage_identity(other, s, inputs).fingerprint)
+    fp = {s: (R.stage_spec(cfg, s, inputs).fingerprint, R.stage_spec(other, s, inputs).fingerprint)
           for s in ("sft", "expert:math", "mopd")}
     assert fp["sft"][0] == fp["sft"][1]
     assert fp["expert:math"][0] != fp["expert:math"][1] and fp["mopd"][0] != fp["mopd"][1]

@@ -347,7 +347,7 @@ def test_config_defaults_keep_fingerprints_and_bad_combinations_fail_in_one_line
     assert "conflict" not in cfg.teachers.model_dump(include=R.TEACHER_RESULT_FIELDS)
     set_ = load_config("tiny", tiny_overrides(tmp_path) + ["mopd.kd_loss=topk_rkl", "mopd.gap_following=true"])
     ids = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "s:i:3"}
-    assert R.stage_identity(set_, "mopd", ids).fingerprint != R.stage_identity(cfg, "mopd", ids).fingerprint
+    assert R.stage_spec(set_, "mopd", ids).fingerprint != R.stage_spec(cfg, "mopd", ids).fingerprint
     doms = {d: None for d in cfg.domain_names()}
     bad = [(["mopd.reward_refresh=true"], "mopd.minibatches=1"),
            (["mopd.reward_refresh=true", "mopd.minibatches=2", "mopd.kd_loss=jsd"], "direct loss"),

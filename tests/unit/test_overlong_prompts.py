@@ -34,7 +34,7 @@ def _rows(n_short: int, n_long: int):
 def test_overlong_rows_fail_the_preflight_naming_the_row_and_the_fixes(tmp_path):
     cfg = _cfg(tmp_path, _rows(5, 1))
     with pytest.raises(MopdError) as e:
-        preflight.check_stage(cfg, "recipe")
+        preflight.check_recipe(cfg, R.stage_plan(cfg), R.build_domains(cfg))
     msg = str(e.value)
     assert "\n" not in msg and "row 5" in msg and "data.max_prompt_tokens=12" in msg
     assert "data.filter_overlong_prompts=true" in msg
@@ -48,7 +48,7 @@ def test_the_filter_drops_counts_and_logs_them_and_the_preflight_passes(tmp_path
     assert len(kept) == 5 and all(len(e.prompt) <= 12 for e in kept)
     warn = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warn) == 1 and "dropped 2 of 7 prompts over 12 tokens" in warn[0] and "domain 'math'" in warn[0]
-    preflight.check_stage(cfg, "recipe")  # nothing over the limit is left to refuse
+    preflight.check_recipe(cfg, R.stage_plan(cfg), R.build_domains(cfg))  # nothing over the limit is left to refuse
 
 
 def test_a_file_with_nothing_short_enough_is_an_error(tmp_path):

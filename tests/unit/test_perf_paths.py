@@ -97,7 +97,7 @@ def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     checks = res["checks"]
-    assert set(checks) == {"mfu", "logprob_memory", "handover", "mopd_step"}
+    assert set(checks) == {"mfu", "logprob_memory", "handover", "mopd_step", "sampling"}
     assert res["ok"], {k: v.get("error") for k, v in checks.items()}
     assert checks["mfu"]["steps_timed"] >= 1 and checks["mfu"]["achieved_tflops"] > 0
     assert checks["logprob_memory"]["max_abs_logp_diff"] < 1e-5  # chunked = full
@@ -105,5 +105,12 @@ def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
     assert ho["transport"] == "shared_memory" and ho["bytes"] > 0 and len(ho["runs"]) == 3
     assert all(r["messages"] == ho["buckets"] for r in ho["runs"])
     assert len(ho["steady"]) == 3 and ho["steady_update_s_best"] > 0
+    # the parameters bound to the buckets: nothing re-packed per update, and the receiver holds the sender's bytes
+    assert all(r["bytes_repacked"] == 0 for r in ho["steady"]) and ho["receiver_matches_sender"]
+    assert all(r["bytes_repacked"] == ho["bytes"] for r in ho["steady_foreach_repack"])
     st = checks["mopd_step"]
     assert st["finite"] and st["completion_tokens"] > 0 and math.isfinite(st["loss"])
+    sa = checks["sampling"]  # eager HFRollout vs the graphed engine's step run uncaptured: the same tokens
+    assert sa["graphed_capture"] is False and sa["agreement"]["identical_fraction"] == 1.0
+    assert sa["graphed"]["steady"]["tokens"] == sa["batch"] * sa["max_new_tokens"]  # ignore_eos: full length
+    assert sa["agreement"]["max_abs_logp_diff_before_divergence"] < 1e-5

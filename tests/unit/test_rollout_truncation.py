@@ -154,13 +154,13 @@ def test_without_truncation_the_engines_batch_is_used_as_it_is_and_no_extra_forw
 
 def test_default_dump_and_fingerprints_are_unchanged():
     cfg = load_config("tiny")
-    assert {s: R.stage_identity(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS} == DEFAULT_FPS
+    assert {s: R.stage_spec(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS} == DEFAULT_FPS
     dump = cfg.rollout.model_dump()
     assert "top_k" not in dump and "min_p" not in dump and not cfg.rollout.truncates
     assert R.behaviour_fingerprint_part(cfg) == []
     on = load_config("tiny", ["rollout.top_k=20", "rollout.min_p=0.05"])
     assert (on.rollout.model_dump()["top_k"], on.rollout.model_dump()["min_p"]) == (20, 0.05)
-    fps = {s: R.stage_identity(on, s, INPUTS).fingerprint for s in DEFAULT_FPS}
+    fps = {s: R.stage_spec(on, s, INPUTS).fingerprint for s in DEFAULT_FPS}
     assert fps["sft"] == DEFAULT_FPS["sft"]  # SFT reads only rollout.max_new_tokens
     assert all(fps[s] != DEFAULT_FPS[s] for s in ("expert:math", "mopd", "evaluate"))
 
@@ -168,9 +168,11 @@ def test_default_dump_and_fingerprints_are_unchanged():
 def test_a_top_p_stage_trained_before_the_recompute_is_not_reused(monkeypatch):
     cfg = load_config("tiny", ["rollout.top_p=0.9"])
     assert cfg.rollout.truncates and R.behaviour_fingerprint_part(cfg) == [{"behaviour_logp": "trainer_recomputed"}]
-    now = {s: R.stage_identity(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
-    monkeypatch.setattr(R, "behaviour_fingerprint_part", lambda recipe: [])  # the identity before the recompute
-    before = {s: R.stage_identity(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
+    now = {s: R.stage_spec(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
+    from mopd_core.stages import identity
+
+    monkeypatch.setattr(identity, "behaviour_fingerprint_part", lambda recipe: [])  # the identity before the recompute
+    before = {s: R.stage_spec(cfg, s, INPUTS).fingerprint for s in DEFAULT_FPS}
     assert now["expert:math"] != before["expert:math"] and now["mopd"] != before["mopd"]
     assert now["sft"] == before["sft"] and now["evaluate"] == before["evaluate"]  # they never train on it
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mopd_core import recipe as R
+from mopd_core.stages import identity as S
 from mopd_core.config import load_config
 from mopd_core.errors import ConfigError
 from tests.conftest import tiny_overrides
@@ -21,21 +22,21 @@ def cfgs(tmp_path):
 def test_one_round_plan_is_the_single_round_recipe(cfgs):
     one, _ = cfgs
     teachers = {f"teacher.{d}": f"expert:{d}" for d in ("math", "code", "if")}
-    assert R.recipe_plan(one) == [("sft", {}), ("expert:math", {"init": "sft"}), ("expert:code", {"init": "sft"}),
-                                  ("expert:if", {"init": "sft"}), ("mopd", {"init": "sft", **teachers})]
-    assert [R.stage_label(s) for s, _ in R.recipe_plan(one)] == ["sft", "expert-math", "expert-code", "expert-if",
-                                                                 "student"]
+    assert [(s.stage, s.inputs) for s in R.stage_plan(one)] == [
+        ("sft", {}), ("expert:math", {"init": "sft"}), ("expert:code", {"init": "sft"}),
+        ("expert:if", {"init": "sft"}), ("mopd", {"init": "sft", **teachers})]
+    assert [s.label for s in R.stage_plan(one)] == ["sft", "expert-math", "expert-code", "expert-if", "student"]
     assert R.last_student_label(one) == "student"
 
 
 def test_two_round_plan_chains_round_two_to_round_one_student(cfgs, tmp_path):
     one, two = cfgs
-    plan = dict(R.recipe_plan(two))
-    assert list(plan)[:5] == [s for s, _ in R.recipe_plan(one)]  # round 1 as it was
+    plan = {s.stage: s.inputs for s in R.stage_plan(two)}
+    assert R.stage_plan(two)[:5] == R.stage_plan(one)  # round 1 as it was: the same stages, inputs and identities
     assert plan["expert:math@r2"] == {"init": "mopd"}  # experts re-trained from round 1's student
     assert plan["mopd@r2"] == {"init": "mopd", **{f"teacher.{d}": f"expert:{d}@r2" for d in ("math", "code", "if")}}
     fresh = two.model_copy(update={"round_student_init": "sft"})
-    assert dict(R.recipe_plan(fresh))["mopd@r2"]["init"] == "sft"
+    assert {s.stage: s.inputs for s in R.stage_plan(fresh)}["mopd@r2"]["init"] == "sft"
     assert [R.stage_label(s) for s in list(plan)[5:]] == ["r2-expert-math", "r2-expert-code", "r2-expert-if",
                                                           "r2-student"]
     assert R.last_student_label(two) == "r2-student"
@@ -52,18 +53,18 @@ def test_two_round_plan_chains_round_two_to_round_one_student(cfgs, tmp_path):
 def test_round_one_identities_are_unchanged_and_round_two_differs(cfgs):
     one, two = cfgs
     for s in ("sft", "expert:math", "mopd", "evaluate"):
-        a, b = R.stage_identity(one, s, INPUTS), R.stage_identity(two, s, INPUTS)
-        assert (a.fingerprint, a.stage_dir, a.stage) == (b.fingerprint, b.stage_dir, b.stage), s
+        a, b = R.stage_spec(one, s, INPUTS), R.stage_spec(two, s, INPUTS)
+        assert (a.fingerprint, a.stage_dir, a.label) == (b.fingerprint, b.stage_dir, b.label), s
     # the same inputs in round 2: another stage (another name → other prompts and samples), another folder
-    r1, r2 = R.stage_identity(two, "expert:math", INPUTS), R.stage_identity(two, "expert:math@r2", INPUTS)
-    assert r2.fingerprint != r1.fingerprint and r2.stage == "r2-expert-math" and r2.steps == r1.steps
-    m1, m2 = R.stage_identity(two, "mopd", INPUTS), R.stage_identity(two, "mopd@r2", INPUTS)
-    assert m2.fingerprint != m1.fingerprint and m2.stage == "r2-student"
+    r1, r2 = R.stage_spec(two, "expert:math", INPUTS), R.stage_spec(two, "expert:math@r2", INPUTS)
+    assert r2.fingerprint != r1.fingerprint and r2.label == "r2-expert-math" and r2.steps == r1.steps
+    m1, m2 = R.stage_spec(two, "mopd", INPUTS), R.stage_spec(two, "mopd@r2", INPUTS)
+    assert m2.fingerprint != m1.fingerprint and m2.label == "r2-student"
     # the parent's identity is part of round 2's: a retrained round-1 student invalidates round 2
-    other = R.stage_identity(two, "expert:math@r2", {**INPUTS, "init": "stage:zzz:3"})
+    other = R.stage_spec(two, "expert:math@r2", {**INPUTS, "init": "stage:zzz:3"})
     assert other.fingerprint != r2.fingerprint
-    # engine and orchestrator agree (expert_fingerprint takes the input model, stage_identity its identity)
-    assert R._expert_fp(two, "math", "stage:abc:3", 2) == r2.fingerprint
+    # engine and orchestrator agree (expert_fingerprint takes the input model, stage_spec its identity)
+    assert S._expert_fp(two, "math", "stage:abc:3", 2) == r2.fingerprint
 
 
 def test_rounds_leave_one_round_dumps_alone_and_bad_values_fail_in_one_line(cfgs, tmp_path):
