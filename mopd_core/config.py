@@ -72,7 +72,7 @@ class RuntimeConfig(_Model):
 
 
 class TinyModelConfig(_Model):
-    hidden_size: int = Field(192, ge=8, description="Hidden width of the tiny Llama.")
+    hidden_size: int = Field(192, ge=8, description="Hidden width of the locally built model.")
     num_layers: int = Field(3, ge=1, description="Decoder layers.")
     num_heads: int = Field(6, ge=1, description="Attention heads; head_dim = hidden/heads must be 32 or 64 "
                            "so vLLM's CPU backend can serve the model.")
@@ -83,6 +83,21 @@ class TinyModelConfig(_Model):
     chat: bool = Field(False, exclude_if=lambda v: not v, description="Build the character tokenizer with a "
                        "ChatML-like chat template (`<|im_start|>`/`<|im_end|>` special tokens and a newline "
                        "character), so that data.chat.enabled runs on the tiny model (CI's path for instruct models).")
+    # the four fields below shape a locally built model at a real size (configs/gpu_scale.yaml: Qwen3-1.7B's
+    # shape with random weights); left out of the dump at their defaults, so the tiny presets keep their identity
+    arch: Literal["llama", "qwen3"] = Field(
+        "llama", exclude_if=lambda v: v == "llama", description="Architecture of the built model: `llama` "
+        "(LlamaForCausalLM) or `qwen3` (Qwen3ForCausalLM: q/k RMSNorm, as Qwen3 checkpoints).")
+    vocab_size: int | None = Field(
+        None, ge=8, exclude_if=lambda v: v is None, description="Pad the character tokenizer with generated "
+        "tokens (`<|x…|>`, never produced by encoding a prompt) up to this many entries, so the model's embedding, "
+        "lm_head and log-probs have a real vocabulary's width (Qwen3: 151936); None = the characters only.")
+    tie_word_embeddings: bool = Field(False, exclude_if=lambda v: not v,
+                                      description="lm_head shares the embedding matrix (Qwen3-1.7B does).")
+    save_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", exclude_if=lambda v: v == "float32", description="Dtype the built weights are saved in "
+        "(bfloat16 halves the disk and load time of a real-size model; trained stages still load float32 master "
+        "weights).")
 
     @model_validator(mode="after")
     def _head_dim(self) -> "TinyModelConfig":
@@ -329,10 +344,17 @@ class RolloutConfig(_Model):
         False, exclude_if=lambda v: not v, description="Sample every completion to rollout.max_new_tokens, "
         "past EOS and the end-of-turn token (vLLM's SamplingParams.ignore_eos): fixed, real lengths for "
         "benchmarks of random-weight models (configs/gpu_scale.yaml); the stop token still counts as the end for "
-        "truncation flags. Training rollouts and eval alike.")
+        "truncation flags. Training rollouts only (eval stops as usual).")
     engine_process: Literal["inprocess", "separate"] = Field(
         "inprocess", description="vllm backend: engine in the trainer's process (weights handed over as the same "
         "tensors, 0 bytes) or its own process (bucketed CUDA IPC handles / NPU host shared memory).")
+
+    @model_validator(mode="after")
+    def _ignore_eos(self) -> "RolloutConfig":
+        if self.ignore_eos and self.backend in ("vllm", "served"):
+            raise ValueError(f"rollout.ignore_eos=true is implemented for the in-process samplers only (got "
+                             f"rollout.backend={self.backend}); set rollout.backend=hf or rollout.ignore_eos=false")
+        return self
 
     @property
     def truncates(self) -> bool:
@@ -419,6 +441,13 @@ class TrainConfig(_Model):
         False, description="Recompute each decoder layer's activations in backward (transformers' gradient "
         "checkpointing, non-reentrant) in SFT, expert and MOPD training: activation memory of about one layer "
         "instead of all of them for ~30 % more compute; the gradients are the same (not fingerprinted).")
+    # how the update computes, not what — but fused kernels round differently, so like packing it is part of the
+    # identity when on (left out of the dump while off: configs without it keep their fingerprints)
+    compile: bool = Field(
+        False, exclude_if=lambda v: not v, description="torch.compile each decoder layer of the trained model "
+        "for training (`models.compile_decoder_layers`: fused norms, rotary, SwiGLU and casts, one graph reused by "
+        "every layer; sampling and eval stay eager); the first update pays the compilation (tens of seconds), later "
+        "ones run faster. CUDA (inductor); ignored on cpu and npu (runtime.device.compile_backend).")
     fsdp_cpu_offload: bool = Field(
         False, description="runtime.strategy=fsdp2: each rank's parameter, gradient and AdamW shards live in host "
         "memory (torch FSDP2 CPUOffloadPolicy, pinned on GPU/NPU); each unit is gathered to the device for its "

@@ -49,10 +49,12 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m[
                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_tokenizer(chat: bool = False):
+def build_tiny_tokenizer(chat: bool = False, vocab_size: int | None = None):
     """A character-level WordLevel tokenizer (Split into single characters, Fuse on decode). `chat`: the vocabulary
     also has the newline character, `<|im_start|>` and `<|im_end|>` (special tokens, after every default id) and
-    the tokenizer a ChatML-like chat template; the default (`chat=False`) is unchanged."""
+    the tokenizer a ChatML-like chat template; the default (`chat=False`) is unchanged. `vocab_size`: padded with
+    generated tokens `<|xN|>` up to that many entries (a real vocabulary's width for real-size benchmarks; encoding
+    never produces them — the pre-tokenizer splits into characters — decoding writes them out)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,6 +64,11 @@ def build_tiny_tokenizer(chat: bool = False):
     if chat:
         for t in ("\n", IM_START, IM_END):
             vocab[t] = len(vocab)
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"model.tiny.vocab_size={vocab_size} is below the {len(vocab)} characters and "
+                             "special tokens of the tokenizer; raise it or leave it unset")
+        vocab.update({f"<|x{i}|>": i for i in range(len(vocab), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # "." stops at a newline; the chat variant splits every character, the newline included
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
@@ -72,36 +79,97 @@ def build_tiny_tokenizer(chat: bool = False):
     return fast
 
 
-def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0):
-    """A Llama-style model of ~1–5 M parameters, initialised deterministically from `seed`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0,
+                     device: torch.device | str | None = None):
+    """A model of `tiny`'s shape — Llama-style (`arch: llama`, ~1–5 M parameters for the CPU presets) or
+    Qwen3-style (`arch: qwen3`, e.g. Qwen3-1.7B's shape for real-size benchmarks) — initialised deterministically
+    from `seed`. `device`: where the weights are created and initialised (an accelerator initialises a
+    billion-parameter model in a second; the values differ from a CPU build of the same seed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = LlamaConfig(
+    shape = dict(
         vocab_size=vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
         num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads or tiny.num_heads,
         intermediate_size=tiny.intermediate_size, max_position_embeddings=tiny.max_position_embeddings,
-        pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False,
+        pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=tiny.tie_word_embeddings,
         head_dim=tiny.hidden_size // tiny.num_heads, rms_norm_eps=1e-6,
     )
-    with torch.random.fork_rng(devices=[]):
+    if tiny.arch == "qwen3":
+        cfg, cls = Qwen3Config(**shape, rope_theta=1_000_000.0), Qwen3ForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**shape), LlamaForCausalLM
+    import contextlib
+
+    dev = torch.device(device) if device is not None else None
+    # the global RNG of the build's device is left as it was (cpu: fork_rng without devices); device None: the
+    # caller's default device (the pre-flight counts parameters under torch.device("meta"))
+    forked = [] if dev is None or dev.type == "cpu" else [dev.index or 0]
+    with (torch.random.fork_rng(devices=forked, device_type=dev.type if forked else "cuda"),
+          dev if dev is not None else contextlib.nullcontext()):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
+        model = cls(cfg)
     model.generation_config.pad_token_id = pad_id
     model.generation_config.eos_token_id = eos_id
     return model
 
 
-def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
-    """Build and save the tiny base model + tokenizer (idempotent for the same config)."""
+def build_tiny(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, device: torch.device | str | None = None,
+               tokenizer=None) -> Path:
+    """Build and save the locally built base model + tokenizer (idempotent for the same config; `device`: where
+    the weights are initialised, `build_tiny_model`; `tokenizer`: one `build_tiny_tokenizer` already built for
+    `cfg` — a padded real-size vocabulary takes seconds to build — else built here)."""
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        # a dir built with the other tokenizer variant (model.tiny.chat flipped) is rebuilt, not reused
-        if (IM_END in (out / "tokenizer.json").read_text()) == cfg.tiny.chat:
+        # a dir built with another tokenizer variant (model.tiny.chat flipped) or shape is rebuilt, not reused
+        if (IM_END in (out / "tokenizer.json").read_text()) == cfg.tiny.chat and _same_shape(out, cfg.tiny):
             return out
-    tok = build_tiny_tokenizer(chat=cfg.tiny.chat)
-    model = build_tiny_model(cfg.tiny, len(tok), tok.pad_token_id, tok.eos_token_id, seed)
-    save_pretrained(model, tok, out)
+    tok = tokenizer if tokenizer is not None else build_tiny_tokenizer(chat=cfg.tiny.chat,
+                                                                        vocab_size=cfg.tiny.vocab_size)
+    model = build_tiny_model(cfg.tiny, len(tok), tok.pad_token_id, tok.eos_token_id, seed, device)
+    save_pretrained(model.to(getattr(torch, cfg.tiny.save_dtype)), tok, out)
     return out
+
+
+def _same_shape(out: Path, tiny: TinyModelConfig) -> bool:
+    """Whether the saved config.json has `tiny`'s widths (a dir of the tiny presets' older builds says nothing of
+    vocab_size: only compared when the spec pads the vocabulary)."""
+    c = json.loads((out / "config.json").read_text())
+    want = {"hidden_size": tiny.hidden_size, "num_hidden_layers": tiny.num_layers,
+            "intermediate_size": tiny.intermediate_size, "num_attention_heads": tiny.num_heads,
+            **({"vocab_size": tiny.vocab_size} if tiny.vocab_size is not None else {})}
+    return all(c.get(k) == v for k, v in want.items()) and (c.get("model_type") == tiny.arch
+                                                             or tiny.arch == "llama")
+
+
+def compile_decoder_layers(model, kind: str, backend: str | None = None) -> int:
+    """`torch.compile` every decoder layer of `model` (the classes its `_no_split_modules` names) for training, as
+    torchtitan compiles per block: one graph, reused by all layers (their weights are graph inputs), fusing RMSNorm,
+    rotary, SwiGLU, residual adds and autocast's casts around the matmuls; the layer boundaries keep transformers'
+    gradient checkpointing and FSDP2's units working. Only in training mode: in eval mode (the rollout engines,
+    evaluation) each layer runs its eager forward, so decode shapes never recompile the graph and a captured
+    sampler captures plain kernels. Parameter names, state dicts and hooks are unchanged (the forward is wrapped on
+    the instance). `backend` None: the device's (`runtime.device.compile_backend`: inductor on cuda, nothing on cpu
+    or npu); tests pass `"eager"` to run the same wrapping on cpu. Returns the layers wrapped."""
+    from ..runtime.device import compile_backend
+
+    backend = backend or compile_backend(kind)
+    if backend is None:
+        return 0
+    units = set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    n = 0
+    for mod in unwrap(model).modules():
+        if type(mod).__name__ not in units:
+            continue
+        eager = mod.forward
+        # shapes change between micro-batches: dynamo marks them dynamic after the first change
+        compiled = torch.compile(eager, backend=backend)
+
+        def forward(*args, _eager=eager, _compiled=compiled, _mod=mod, **kwargs):
+            return (_compiled if _mod.training else _eager)(*args, **kwargs)
+
+        mod.forward = forward
+        n += 1
+    return n
 
 
 def save_pretrained(model, tokenizer, out_dir: str | Path) -> Path:
@@ -188,7 +256,7 @@ def run_tokenizer(model: ModelConfig):
     must share it): the tiny one as `build_tiny` builds it (in memory, nothing written), else `model.base`'s
     loaded as the stages load it (no download)."""
     if model.base == "tiny":
-        return build_tiny_tokenizer(chat=model.tiny.chat)
+        return build_tiny_tokenizer(chat=model.tiny.chat, vocab_size=model.tiny.vocab_size)
     return load_tokenizer(model.base)
 
 

@@ -415,9 +415,10 @@ class HFRollout(RolloutEngine):
     hand-over is the identity, zero bytes copied)."""
 
     def __init__(self, model, tokenizer, device, max_prompt_tokens: int | None = None, *, chat=None,
-                 formatter=None):
+                 formatter=None, ignore_eos: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_prompt_tokens = max_prompt_tokens
+        self.ignore_eos = ignore_eos  # rollout.ignore_eos: every row runs to the budget (no stop ids)
         # `chat` (the data.chat section) or a shared `formatter`: how prompts become ids and which ids stop
         self.formatter = formatter_for(tokenizer, formatter if formatter is not None else chat)
 
@@ -432,7 +433,7 @@ class HFRollout(RolloutEngine):
         self.model.eval()
         parts = []
         step = batch_size or len(examples)
-        stops = self.stop_ids()
+        stops = [] if self.ignore_eos else self.stop_ids()
         try:
             for s in range(0, len(examples), step):
                 chunk = list(examples[s:s + step])

@@ -129,7 +129,8 @@ def build_rollout(recipe_or_rollout_cfg, model, tokenizer, device, max_prompt_to
         chat = data.chat  # how prompts become ids and which ids stop (models.chat)
     backend = getattr(cfg, "backend", "hf")
     if backend == "hf":
-        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat)
+        return HFRollout(model, tokenizer, device, max_prompt_tokens, chat=chat,
+                         ignore_eos=getattr(cfg, "ignore_eos", False))
     if backend == "served":
         return _served(recipe_or_rollout_cfg, cfg, model, tokenizer, device, max_prompt_tokens, chat, vllm_kwargs)
     if backend == "hf_graphed":  # vLLM's keywords (max_model_len from eval) mean nothing to it

@@ -276,6 +276,34 @@ def autocast(kind: str, dtype: str):
     return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
 
 
+# ---------------------------------------------------------------- what benchmarks read (tests/device/perf_checks.py)
+
+
+def device_name(kind: str) -> str:
+    """The accelerator's product name (`torch.cuda.get_device_name` / `torch.npu.get_device_name`), or "cpu"."""
+    mod = _module(kind)
+    return mod.get_device_name(current_index(kind)) if mod is not None else "cpu"
+
+
+def allocated_bytes(kind: str) -> int:
+    """Bytes the caching allocator has handed out now on the current device (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.memory_allocated()) if mod is not None else 0
+
+
+def peak_allocated_bytes(kind: str) -> int:
+    """The most bytes handed out since the last `reset_peak_memory_stats` (0 on cpu)."""
+    mod = _module(kind)
+    return int(mod.max_memory_allocated()) if mod is not None else 0
+
+
+def compile_backend(kind: str) -> str | None:
+    """The `torch.compile` backend for training on `kind`: inductor on cuda; None (do not compile) on cpu, where
+    inductor's generated code costs more than it saves at the CPU presets' widths, and on npu, where inductor needs
+    torch_npu's own backend support (pass one explicitly to `models.compile_decoder_layers` there)."""
+    return "inductor" if kind == "cuda" else None
+
+
 # ---------------------------------------------------------------- captured device graphs (rollout.graphed)
 
 

@@ -68,6 +68,19 @@ def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, *, dtype
     return tokens * (layers_b + head)
 
 
+def kv_cache_bytes(rows: int, positions: int, layers: int, kv_dim: int, dtype_bytes: int = 2) -> int:
+    """The sampler's KV cache: keys and values of every layer for `rows` sequences of `positions` (prompt +
+    budget; the HF engine preallocates them, `rollout.kvcache`), `kv_dim` = KV heads × head dim."""
+    return 2 * rows * positions * layers * kv_dim * dtype_bytes
+
+
+def forward_activation_bytes(tokens: int, hidden: int, intermediate: int, dtype_bytes: int = 2) -> int:
+    """The transient peak of one no-grad forward over `tokens` tokens (a teacher scoring a batch): one layer's
+    live tensors — the residual stream, its normed copy and attention output (3·H) and the MLP's gate, up and
+    product (3·I) — the layers before it freed. An estimate."""
+    return tokens * (3 * hidden + 3 * intermediate) * dtype_bytes
+
+
 def fsdp_gathered_bytes(num_params: int, shape: tuple[int, int, int] | None, dtype_bytes: int) -> int:
     """FSDP2 with CPU offload: the most a rank gathers on the device at once — the root unit (embeddings and
     lm_head, untied counted twice; it stays gathered through the forward) plus one decoder layer, in the compute
@@ -84,7 +97,8 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
                         teacher_bytes: dict[str, int], teachers_offload: bool, placement: str, shards: int = 1,
                         driver_copy: bool = False, activations: int = 0,
                         teachers_on_ranks: bool = False, gathered: int | None = None,
-                        trainable_bytes: int | None = None) -> dict[str, float]:
+                        trainable_bytes: int | None = None, sampling: int = 0,
+                        scoring: int = 0) -> dict[str, float]:
     """Pre-flight (before any compute): the largest phase must fit the budget of one device (one rank). Returns
     the phase needs (MiB).
 
@@ -99,7 +113,10 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     state while they score. `gathered` (train.fsdp_cpu_offload): the shards and the optimizer live on the host, the
     device holds only the units gathered at once (these bytes, with their gradients) beside the driver's copy.
     `trainable_bytes` (LoRA): only these parameters have gradients and optimizer state; the frozen rest is weights
-    alone."""
+    alone. `sampling`: what the rollout engine holds beyond the weights while it samples (the HF engine's KV cache,
+    `kv_cache_bytes`); `scoring`: a teacher's forward over the batch (`forward_activation_bytes`). Both 0 unless
+    given: the loop's and the pre-flight's checks leave them out (a benchmark adds them to compare with the
+    measured peaks)."""
     w = student_bytes / MB
     if gathered is not None:
         on_device = 2 * gathered / MB
@@ -112,12 +129,12 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     held = w if placement == "colocated" else state  # what rollout/score hold of the student
     tb = {n: b / MB for n, b in teacher_bytes.items()}
     always = 0.0 if teachers_offload else (max(tb.values(), default=0.0) if teachers_on_ranks else sum(tb.values()))
-    need = {"train": trainer + always, "rollout": held + always}
+    need = {"train": trainer + always, "rollout": held + always + sampling / MB}
     if tb:
         big = max(tb, key=tb.get)
         one = teachers_offload or teachers_on_ranks  # one entry of `tb` scores at a time (per rank)
         need[f"score ({big})" if one else "score (all teachers)"] = ((state if teachers_on_ranks else held)
-                                                                     + (tb[big] if one else always))
+                                                                     + (tb[big] if one else always) + scoring / MB)
     budget = device_budget_mb(kind, limit_gib)
     if budget is not None:
         phase = max(need, key=need.get)
@@ -195,10 +212,15 @@ class PhaseScheduler:
         dkey = "mem/device_allocated_mb" if "mem/device_allocated_mb" in measured else "mem/host_rss_mb"
         mkey = f"mem/{phase}/{dkey.split('/', 1)[1]}"
         self._step_metrics[mkey] = max(self._step_metrics.get(mkey, 0.0), measured[dkey])
+        if where == "end" and "mem/device_peak_mb" in measured:  # the phase's own peak (reset at its start)
+            for k in (f"mem/{phase}/device_peak_mb", "mem/device_peak_mb"):  # the step's: the max of its phases
+                self._step_metrics[k] = max(self._step_metrics.get(k, 0.0), measured["mem/device_peak_mb"])
 
     @contextmanager
     def phase(self, name: str, teacher: str | None = None):
         self._record(name, "start", teacher)
+        # each phase its own peak window: the end record's device_peak_mb is this phase's peak (cuda/npu)
+        devlib.reset_peak_memory_stats(self.kind)
         try:
             yield
         finally:

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Every device check (tests/device, marker `device`) in one prepared run, one pytest process per file (each vLLM
-# engine starts in a fresh process: vLLM keeps process-wide state), then one JSON of what happened:
-#   benchmarks/results/device_checks.json — machine, per-test outcome/seconds/skip reason, and the measurements
-#   the tests recorded (bytes handed over, handles, device memory freed by sleep, timings, log-prob errors).
+# engine starts in a fresh process: vLLM keeps process-wide state), then what happened (tests/device/summarize.py):
+#   $RESULTS_DIR/device_checks.json — machine (device, driver, torch, …), date, per-test outcome/seconds/skip reason,
+#   the measurements the tests recorded and perf_checks.py's figures; device_checks.md — the same as tables.
 #
 #   tests/device/run_all.sh                      # all files
 #   tests/device/run_all.sh test_vllm_ipc.py     # some files (split a run that would outlast a time limit)
-#   PY=python3 OUT=/tmp/x.json FILE_TIMEOUT=400 tests/device/run_all.sh
-#   OUT=$OUT/device_checks.json tests/device/run_all.sh   # on the lent device machine: the JSON comes back
-#   tests/device/run_all.sh perf                 # only the performance checks (tests/device/perf_checks.py:
-#                                                # 1.7B-class MFU, 16k-token log-prob memory, CUDA IPC hand-over
-#                                                # vs the HBM copy floor, a colocated MOPD step) — ≤ 8 min on an
-#                                                # H200 without vLLM; their JSON lands under "perf"
-#   SKIP_PERF=1 tests/device/run_all.sh          # the pytest files only; PERF_BUDGET_S (default 420) caps perf
+#   PY=python3 RESULTS_DIR=/tmp/x FILE_TIMEOUT=400 tests/device/run_all.sh
+#   RESULTS_DIR=$OUT tests/device/run_all.sh quick  # on the lent device machine (the files come back): the checks
+#                                                # new since the last run + perf_checks.py, ≤ 7 min on an H200
+#   tests/device/run_all.sh perf                 # only the performance checks (tests/device/perf_checks.py: the
+#                                                # gpu_scale MOPD stage, MFU through policy_update, TRL beside us,
+#                                                # log-prob memory, hand-over, …); their JSON lands under "perf"
+#   SKIP_PERF=1 tests/device/run_all.sh          # the pytest files only; PERF_BUDGET_S (default 300) caps perf,
+#                                                # PERF_ONLY=stage,mfu picks checks, in that order
+#   PERF_DRY_RUN=1 RESULTS_DIR=/tmp/x tests/device/run_all.sh quick   # the whole script on a CPU: the device
+#                                                # tests skip, perf_checks.py runs its tiny shapes
 #
 # Python: $PY, else .venv/bin/python, else python3 (a bare accelerator image: torch + transformers + pytest run
 # the device-layer and CUDA-IPC checks; the vLLM checks need vllm — `pip install -e .[vllm]` — and skip without).
@@ -26,27 +29,43 @@ PY=${PY:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-OUT=${OUT:-benchmarks/results/device_checks.json}
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
 FILE_TIMEOUT=${FILE_TIMEOUT:-600}
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/mopd-device.XXXXXX")
 export MOPD_DEVICE_RESULTS="$TMP/records.jsonl" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$TMP/vllm-cache" PYTHONUNBUFFERED=1 \
-  MLFLOW_DISABLE_TELEMETRY=true PREFECT_HOME="$TMP/prefect"
+  MLFLOW_DISABLE_TELEMETRY=true PREFECT_HOME="$TMP/prefect" PYTHONHASHSEED=0 \
+  TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$TMP/inductor}"
 : >"$MOPD_DEVICE_RESULTS"
+t_all=$(date +%s)
+
+# carried wheels (tests/device/fetch_wheels.sh downloads them into .whl/ here): a bare accelerator image lacks
+# pydantic, trl, datasets …; installed into a private folder, nothing of the image changed
+PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if compgen -G ".whl/*.whl" >/dev/null && [ "$PYVER" != 3.12 ]; then
+  echo "-- .whl/ holds wheels for Python 3.12 (tests/device/fetch_wheels.sh); this is $PYVER: not installed"
+elif compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMP/site" .whl/*.whl \
+    || { echo "!! installing the carried wheels failed"; exit 2; }
+  export PYTHONPATH="$TMP/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+t_install=$(( $(date +%s) - t_all ))
 
 RUN_PERF=${SKIP_PERF:+0}; RUN_PERF=${RUN_PERF:-1}
 if [ "$#" -eq 1 ] && [ "$1" = perf ]; then FILES=(); RUN_PERF=1
+elif [ "$#" -eq 1 ] && [ "$1" = quick ]; then  # the files new or changed since the last GPU run (81997e3), + perf
+  FILES=(test_device_layer.py test_fsdp2.py test_colocated_offload.py test_graphed_sampler.py)
 elif [ "$#" -gt 0 ]; then FILES=("$@"); RUN_PERF=0; else
   FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_graphed_sampler.py test_fsdp2.py
-         test_vllm_rollout.py test_vllm_ipc.py
-         test_colocated_step.py test_async_benchmark.py)
+         test_colocated_offload.py test_vllm_rollout.py test_vllm_ipc.py test_colocated_step.py test_async_benchmark.py)
 fi
 
 rc=0
-t_all=$(date +%s)
+t_tests=$(date +%s)
 for f in "${FILES[@]+"${FILES[@]}"}"; do
   f=$(basename "$f")
-  echo "== tests/device/$f"
+  [ -f "tests/device/$f" ] || { echo "-- tests/device/$f: not in this checkout"; continue; }
+  echo "== tests/device/$f ($(( $(date +%s) - t_all )) s in)"
   timeout -k 20 "$FILE_TIMEOUT" "$PY" -m pytest "tests/device/$f" -m device -q -rs -p no:cacheprovider \
     --junitxml="$TMP/${f%.py}.xml" -o junit_family=xunit2
   r=$?
@@ -57,60 +76,17 @@ for f in "${FILES[@]+"${FILES[@]}"}"; do
   esac
   echo "$f $r" >>"$TMP/exit_codes"
 done
+t_tests=$(( $(date +%s) - t_tests ))
 
+t_perf=$(date +%s)
 if [ "$RUN_PERF" = 1 ]; then
-  echo "== tests/device/perf_checks.py (budget ${PERF_BUDGET_S:-420} s)"
-  timeout -k 20 "$(( ${PERF_BUDGET_S:-420} + 120 ))" "$PY" tests/device/perf_checks.py --out "$TMP/perf.json" \
-    --budget-s "${PERF_BUDGET_S:-420}" || rc=1
+  echo "== tests/device/perf_checks.py (budget ${PERF_BUDGET_S:-300} s${PERF_ONLY:+, only $PERF_ONLY}, $(( $(date +%s) - t_all )) s in)"
+  timeout -k 20 "$(( ${PERF_BUDGET_S:-300} + 120 ))" "$PY" tests/device/perf_checks.py --out "$TMP/perf.json" \
+    --budget-s "${PERF_BUDGET_S:-300}" --only "${PERF_ONLY:-}" ${PERF_DRY_RUN:+--dry-run} || rc=1
 fi
+t_perf=$(( $(date +%s) - t_perf ))
+echo "{\"install\": $t_install, \"tests\": $t_tests, \"perf\": $t_perf}" >"$TMP/parts.json"
 
-"$PY" - "$TMP" "$OUT" "$rc" "$t_all" <<'EOF'
-import json, os, platform, subprocess, sys, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-tmp, out, rc, t_all = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-tests = []
-for xml in sorted(tmp.glob("*.xml")):
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        outcome, detail = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                detail = (el.get("message") or el.text or "")[:500]
-        tests.append({"file": xml.stem, "test": case.get("name"), "outcome": outcome,
-                      "seconds": round(float(case.get("time") or 0), 2), **({"detail": detail} if detail else {})})
-records = [json.loads(x) for x in (tmp / "records.jsonl").read_text().splitlines() if x.strip()]
-machine = {"host": platform.node(), "python": platform.python_version()}
-try:
-    import torch
-    machine["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        machine["device"] = torch.cuda.get_device_name(0)
-        machine["device_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-except Exception as e:  # noqa: BLE001
-    machine["torch"] = f"unavailable: {e}"
-from importlib import metadata
-for dist in ("vllm", "vllm-ascend", "torch-npu", "transformers"):
-    try:
-        machine[dist] = metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        pass
-try:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-except OSError:
-    sha = ""
-counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": sha, "machine": machine, "wall_s": int(time.time()) - t_all,
-       "ok": rc == 0 and not counts["failed"] and not counts["error"], "counts": counts, "tests": tests,
-       "records": records}
-if (tmp / "perf.json").exists():  # tests/device/perf_checks.py: MFU, log-prob memory, hand-over, MOPD step
-    res["perf"] = json.loads((tmp / "perf.json").read_text())
-    res["ok"] = res["ok"] and res["perf"].get("ok", True)
-out.parent.mkdir(parents=True, exist_ok=True)
-out.write_text(json.dumps(res, indent=1, default=str) + "\n")
-print(f"device checks: {counts} in {res['wall_s']} s -> {out}")
-EOF
+"$PY" tests/device/summarize.py "$TMP" "$RESULTS_DIR" "$rc" "$t_all"
 rm -rf "$TMP"
 exit $rc

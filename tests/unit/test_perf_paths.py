@@ -89,17 +89,30 @@ def test_flops_count_of_the_device_script_matches_a_hand_count():
 
 @pytest.mark.dryrun
 def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
-    # as run_all.sh runs it (a script: its hand-over receiver is spawned from it)
+    # as run_all.sh runs it (a script: its hand-over receiver is spawned from it), then its summary as run_all.sh
+    # writes it: every GPU check's code at tiny shapes on the CPU
     out = tmp_path / "perf.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "device" / "perf_checks.py"), "--dry-run", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600,
+                           str(out)], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     checks = res["checks"]
-    assert set(checks) == {"mfu", "logprob_memory", "handover", "mopd_step", "sampling"}
+    assert set(checks) == {n for n, *_ in _perf_checks().PLAN}
     assert res["ok"], {k: v.get("error") for k, v in checks.items()}
-    assert checks["mfu"]["steps_timed"] >= 1 and checks["mfu"]["achieved_tflops"] > 0
+    # the gpu_scale stage through recipe.mopd_stage: both steps, every completion at the budget (ignore_eos)
+    st = checks["stage"]
+    assert [s["step"] for s in st["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in st["steps"])
+    assert {v for s in st["steps"] for k, v in s.items() if k.startswith("length/")} == {st["max_new_tokens"]}
+    assert set(st["estimate_mib"]["preflight"]) == {"train", "rollout", "score"}
+    # MFU through policy_update: both lengths with the (eager-backend) compiled layers, then the eager layers
+    mfu = checks["mfu"]
+    assert mfu["layers_compiled"] == 2
+    assert [(r["seq"], r["compiled"]) for r in mfu["runs"]] == [(32, True), (64, True), (32, False)]
+    assert all(r["steps_timed"] >= 1 and r["achieved_tflops"] > 0 and math.isfinite(r["loss"]) for r in mfu["runs"])
+    # TRL's DistillationTrainer: two steps of the stage's samples, every completion at the budget
+    trl = checks["trl"]
+    assert len(trl["steps"]) == 2 and all(s["tokens"] == 4 * 24 for s in trl["steps"]) and "oom" not in trl
     assert checks["logprob_memory"]["max_abs_logp_diff"] < 1e-5  # chunked = full
     ho = checks["handover"]
     assert ho["transport"] == "shared_memory" and ho["bytes"] > 0 and len(ho["runs"]) == 3
@@ -114,3 +127,54 @@ def test_device_perf_script_runs_its_code_path_on_cpu(tmp_path):
     assert sa["graphed_capture"] is False and sa["agreement"]["identical_fraction"] == 1.0
     assert sa["graphed"]["steady"]["tokens"] == sa["batch"] * sa["max_new_tokens"]  # ignore_eos: full length
     assert sa["agreement"]["max_abs_logp_diff_before_divergence"] < 1e-5
+
+    # run_all.sh's last part: device_checks.{json,md} from the run's folder
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "perf.json").write_text(out.read_text())
+    sys.path.insert(0, str(ROOT / "tests" / "device"))
+    import summarize
+
+    assert summarize.main([str(run), str(tmp_path / "results"), "0", "0"]) == 0
+    md = (tmp_path / "results" / "device_checks.md").read_text()
+    for heading in ("MOPD stage at real size", "MFU through the loop's `policy_update`", "TRL `DistillationTrainer`"):
+        assert heading in md
+    doc = json.loads((tmp_path / "results" / "device_checks.json").read_text())
+    assert doc["machine"]["torch"] == torch.__version__ and doc["perf"]["checks"].keys() == checks.keys()
+
+
+def test_compiled_decoder_layers_train_like_eager_ones_and_keep_names():
+    """`models.compile_decoder_layers` (train.compile) wraps each decoder layer's forward: compiled in training mode,
+    eager in eval mode (samplers, evaluation), parameter names unchanged. The eager dynamo backend on the CPU runs
+    the same wrapping and tracing (inductor's code generation is the accelerator's)."""
+    import copy
+
+    from mopd_core.models import compile_decoder_layers
+
+    model = build_tiny_model(TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, arch="qwen3"), 50, 0, 1,
+                             seed=0).train()
+    comp = copy.deepcopy(model)
+    assert compile_decoder_layers(comp, "cpu") == 0  # nothing on the CPU unless a backend is asked for
+    assert compile_decoder_layers(comp, "cpu", backend="eager") == 2
+    assert list(comp.state_dict()) == list(model.state_dict())
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    for m in (model, comp):
+        m(input_ids=ids).logits.double().square().mean().backward()
+    for (name, a), b in zip(model.named_parameters(), comp.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    model.eval(), comp.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, comp(input_ids=ids).logits)
+
+
+def test_colocated_estimate_adds_the_sampler_cache_and_the_teacher_forward():
+    from mopd_core.runtime.phases import check_colocated_fit, forward_activation_bytes, kv_cache_bytes
+
+    # Qwen3-1.7B: 28 layers × 8 KV heads × 128, bf16: 114,688 bytes a position
+    assert kv_cache_bytes(1, 1, 28, 8 * 128, 2) == 114_688
+    assert forward_activation_bytes(10, 4, 6, 2) == 10 * (12 + 18) * 2
+    kw = dict(kind="cpu", limit_gib=1e6, student_bytes=2**30, optimizer_factor=2.0, teacher_bytes={"t": 2**29},
+              teachers_offload=True, placement="colocated")
+    base, more = check_colocated_fit(**kw), check_colocated_fit(**kw, sampling=2**20, scoring=2**21)
+    assert more["rollout"] == base["rollout"] + 1 and more["score (t)"] == base["score (t)"] + 2
+    assert more["train"] == base["train"]
