@@ -22,6 +22,11 @@ import logging
 import os
 import sys
 
+# No network at run time: a model id resolves from the local Hugging Face cache only (a missing one is one error
+# line at once, not a minute of retries against the hub). HF_HUB_OFFLINE=0 lets the hub be asked. Set before any
+# import of huggingface_hub, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default="tiny", help="preset name in configs/ or a YAML path")

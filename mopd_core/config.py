@@ -22,7 +22,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: an infinite learning rate or clip passes `gt=0` and would train NaN weights
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class RuntimeConfig(_Model):
@@ -274,6 +275,9 @@ class DataConfig(_Model):
         return self
 
 
+_COMMON_SCHEDULERS = {"linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"}
+
+
 class SFTConfig(_Model):
     steps: int = Field(700, ge=0, description="Optimizer steps of mixed-domain SFT (TRL SFTTrainer).")
     batch_size: int = Field(64, ge=1, description="Examples per optimizer step.")
@@ -288,6 +292,18 @@ class SFTConfig(_Model):
     eval_every: int = Field(0, ge=0, description="Greedy held-out accuracy every N steps (0 = only at the "
                             "end); shows where SFT sits on its learning curve.")
     eval_size: int | None = Field(None, ge=1, description="Eval prompts per domain during SFT; None = all.")
+
+    @model_validator(mode="after")
+    def _scheduler_known(self) -> "SFTConfig":
+        _check_weights("sft.mix", self.mix)
+        if self.lr_scheduler not in _COMMON_SCHEDULERS:
+            from transformers import SchedulerType  # only for an unusual name: the import costs ~1 s
+
+            known = [t.value for t in SchedulerType]
+            if self.lr_scheduler not in known:
+                raise ValueError(f"lr_scheduler={self.lr_scheduler!r} is not a transformers scheduler; use one "
+                                 f"of {known}")
+        return self
 
     @model_validator(mode="after")
     def _eval_on_log_steps(self) -> "SFTConfig":
@@ -470,6 +486,17 @@ class LoRAConfig(_Model):
         "linear layer but the output head (PEFT's `all-linear`: the attention and MLP projections).")
 
 
+def _check_weights(name: str, table: dict[str, float] | None) -> None:
+    """A weight table (a mix, mixture weights): every weight ≥ 0 and at least one > 0."""
+    if not table:
+        return
+    bad = {k: v for k, v in table.items() if not v >= 0}
+    if bad:
+        raise ValueError(f"{name} has negative weights {bad}; weights are shares ≥ 0")
+    if not any(v > 0 for v in table.values()):
+        raise ValueError(f"{name}={table} gives zero weight to everything; set a weight > 0")
+
+
 class PolicyLoopConfig(_Model):
     """The one on-policy loop: expert RL (w_kd=0, no teachers) and MOPD (teachers ± reward)."""
 
@@ -479,7 +506,7 @@ class PolicyLoopConfig(_Model):
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate (constant after warm-up).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO minibatches); "
                              "1 = fully on-policy.")
@@ -526,6 +553,26 @@ class PolicyLoopConfig(_Model):
     lora: LoRAConfig | None = Field(None, exclude_if=lambda v: v is None, description="Train low-rank adapters "
                                     "instead of every weight (set it, even to {}, to enable; None = full "
                                     "fine-tuning). runtime.strategy=single only.")
+
+
+    @model_validator(mode="after")
+    def _degenerate(self) -> "PolicyLoopConfig":
+        """Numbers the loop would accept and silently waste: checked here, before any stage writes."""
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={list(self.betas)}: each AdamW beta must be in [0, 1), e.g. [0.9, 0.999]")
+        if self.w_rl > 0 and self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size} with w_rl={self.w_rl}: a group of one sample has no "
+                             "baseline, so every reward advantage is 0; set group_size ≥ 2 (or w_rl=0)")
+        rows = self.prompts_per_step * self.group_size
+        if self.minibatches > rows:
+            raise ValueError(f"minibatches={self.minibatches} exceeds the {rows} samples of a step (prompts_per_step"
+                             " × group_size); set minibatches ≤ that")
+        if self.steps and self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} > steps={self.steps}: the learning rate would never "
+                             "reach lr; lower warmup_steps")
+        for name, table in (("mix", self.mix),):
+            _check_weights(name, table)
+        return self
 
 
 class ExpertRLConfig(PolicyLoopConfig):
@@ -620,10 +667,32 @@ class RecipeConfig(_Model):
         if self.rounds < 1:
             raise ValueError(f"rounds={self.rounds}: the recipe needs at least one round; set rounds=1 (one MOPD "
                              "round) or more")
+        _check_weights("teachers.mixture_weights", self.teachers.mixture_weights)
+        for d, table in (self.teachers.domain_mixture_weights or {}).items():
+            if d not in names:
+                raise ValueError(f"teachers.domain_mixture_weights names unknown domain '{d}'; known: "
+                                 f"{sorted(names)}")
+            _check_weights(f"teachers.domain_mixture_weights.{d}", table)
+            for k in table:
+                if k not in names:
+                    raise ValueError(f"teachers.domain_mixture_weights.{d} names unknown teacher '{k}'; known: "
+                                     f"{sorted(names)}")
+        unread = unread_settings(self)
+        if unread:
+            raise ValueError(unread[0])
         if self.rounds == 1 and self.round_student_init is not None:
             raise ValueError(f"round_student_init={self.round_student_init} has no effect with rounds=1 (round 1's "
                              "student always starts from SFT); set rounds ≥ 2 or remove round_student_init")
         return self
+
+    def check_teacher_ids(self, teacher_ids) -> None:
+        """A teacher named after no domain would never score a sample (routing and mixture weights go by domain
+        name): refused, naming it, before anything loads."""
+        names = self.domain_names()
+        extra = sorted(set(teacher_ids) - set(names))
+        if extra:
+            raise ConfigError(f"teacher(s) {extra} belong to no domain of data.domains {names}: each teacher is "
+                              "named after the domain it scores — rename it or drop it")
 
     def student_init_of_round(self) -> str:
         """`round_student_init` with its default: where a round r ≥ 2 student starts (`sft` | `previous`)."""
@@ -672,6 +741,52 @@ class RecipeConfig(_Model):
         if eval:
             new = max(new, self.eval.max_new_tokens or new)
         return self.data.max_prompt_tokens + new
+
+
+def _changed(section: BaseModel, fields: tuple[str, ...]) -> list[str]:
+    """The `fields` of `section` that differ from their defaults (a dump round trip keeps defaults defaults, so
+    this — not `model_fields_set` — says what the user changed)."""
+    values = dict(section)  # a pydantic model iterates as (field, value) pairs
+    return [f for f in fields if values[f] != type(section).model_fields[f].get_default(call_default_factory=True)]
+
+
+# (section, fields, is it read?, what reads it) — a setting outside its mode changes nothing, so it is refused:
+# the user meant something else (and a typo'd mode must not train for an hour with the setting ignored).
+_DISTILL_ONLY = ("w_kd", "kd_loss", "kd_top_k", "kd_candidates", "gap_following", "gap_clip", "gap_momentum",
+                 "reward_refresh", "kd_clip", "jsd_beta", "jsd_top_k", "balance", "mix")
+_SECTION_RULES: list[tuple[str, tuple[str, ...], Any, str]] = [
+    ("expert", _DISTILL_ONLY, lambda c: False,
+     "experts train one domain on its rewards only (no teachers, no mix); set it under mopd instead"),
+    ("mopd", ("kd_top_k", "kd_candidates"), lambda c: c.mopd.kd_loss == "topk_rkl", "mopd.kd_loss=topk_rkl"),
+    ("mopd", ("jsd_top_k",), lambda c: c.mopd.kd_loss == "jsd", "mopd.kd_loss=jsd"),
+    ("mopd", ("jsd_beta",), lambda c: c.mopd.kd_loss in ("jsd", "full_jsd"), "mopd.kd_loss=jsd or full_jsd"),
+    ("mopd", ("gap_clip", "gap_momentum"), lambda c: c.mopd.gap_following, "mopd.gap_following=true"),
+    ("teachers", ("mixture_kind", "mixture_weights", "domain_mixture_weights", "conflict", "conflict_nats"),
+     lambda c: c.teachers.routing == "mixture", "teachers.routing=mixture"),
+    ("rollout", ("servers", "restarts", "request_timeout_s", "server_dtype"),
+     lambda c: c.rollout.backend == "served", "rollout.backend=served"),
+    ("rollout", ("gpu_memory_utilization", "sleep_level", "engine_process"),
+     lambda c: c.rollout.backend == "vllm", "rollout.backend=vllm"),
+    ("eval", ("temperature",), lambda c: c.eval.mean_at_k > 0, "eval.mean_at_k > 0"),
+    ("runtime", ("ray_address", "ray_placement", "ray_timeout_s"), lambda c: c.runtime.strategy != "single",
+     "runtime.strategy=ddp or fsdp2"),
+]
+
+
+def unread_settings(cfg: "RecipeConfig") -> list[str]:
+    """One line per setting changed from its default in a mode that never reads it (empty = none)."""
+    out = []
+    sections = {"expert": cfg.expert, "mopd": cfg.mopd, "teachers": cfg.teachers, "rollout": cfg.rollout,
+                "eval": cfg.eval, "runtime": cfg.runtime}
+    for sec, fields, read, reader in _SECTION_RULES:
+        if not read(cfg):
+            for f in _changed(sections[sec], fields):
+                out.append(f"{sec}.{f} has no effect here: it is read only with {reader}" if sec != "expert" else
+                           f"expert.{f} has no effect: {reader}")
+    if cfg.runtime.placement != "async" and cfg.async_ != AsyncConfig():
+        out.append("the async section has no effect: it is read only with runtime.placement=async; set that or "
+                   "remove the section")
+    return [m + ("" if "; " in m else " — remove it or switch the mode") for m in out]
 
 
 # ---------------------------------------------------------------- loading, overrides, hashing

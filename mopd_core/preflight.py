@@ -138,6 +138,10 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
     if recipe.train.fsdp_cpu_offload and rt.strategy != "fsdp2":
         raise ConfigError(f"train.fsdp_cpu_offload=true offloads FSDP2 shards, but runtime.strategy={rt.strategy} — "
                           "set runtime.strategy=fsdp2 (with runtime.num_workers) or train.fsdp_cpu_offload=false")
+    if rt.strategy != "single":
+        from .distributed.trainer import check_ray_address  # cheap, but keeps `import preflight` free of ray code
+
+        check_ray_address(rt.ray_address, timeout_s=min(rt.ray_timeout_s, 10.0))
     if stage in ("recipe", "sft") and rt.strategy != "single" and recipe.sft.batch_size % rt.num_workers:
         raise ConfigError(f"sft.batch_size={recipe.sft.batch_size} does not split over runtime.num_workers="
                           f"{rt.num_workers} (it is the global batch); make it a multiple of {rt.num_workers}")

@@ -194,6 +194,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     from .train.loop import run_policy_loop
 
     t0 = time.perf_counter()
+    recipe.check_teacher_ids(teachers)
     domains = build_domains(recipe)
     spec = mopd_spec(recipe, student_init, teachers, stage_name, rnd)
     done = spec.done()

@@ -38,6 +38,32 @@ _RAY_USERS = 0
 _RAY_TMP: str | None = None
 
 
+def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
+    """`runtime.ray_address` answers as a Ray cluster, checked before a stage writes anything: `ray.init`
+    against a dead address retries past `ray_timeout_s` and ends in a library traceback. A TCP connect alone
+    proves little (a proxy may accept any), so the probe speaks HTTP/2's connection preface, which Ray's GCS (a
+    gRPC server) answers with a SETTINGS frame. `auto` and unset are left to Ray."""
+    import socket
+
+    from ..errors import PlacementError
+
+    if not address or address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise PlacementError(f"runtime.ray_address={address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, "
+                             "ray://10.0.0.1:10001 or auto)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            head = sock.recv(9)
+        if len(head) < 9 or head[3] != 4:  # frame type 4 = SETTINGS
+            raise OSError(f"it does not answer like a Ray cluster (got {head[:9]!r})")
+    except OSError as e:
+        raise PlacementError(f"runtime.ray_address={address!r}: no Ray cluster answers there ({e}) — start it "
+                             "(`ray start --head`), fix the address, or unset it for a local Ray") from None
+
+
 def acquire_ray(address: str | None, kind: str, num_workers: int) -> bool:
     """Count one more user of this process's Ray, starting it (or joining `address`) for the first. Returns False
     when some other code initialised Ray before any of ours: it is used as it is and never shut down here."""
@@ -49,7 +75,13 @@ def acquire_ray(address: str | None, kind: str, num_workers: int) -> bool:
             return False
         if _RAY_USERS == 0:
             if address:
-                init_ray(address=address)
+                try:
+                    init_ray(address=address)
+                except ConnectionError as e:  # ray.init's own error for a cluster that never answered
+                    from ..errors import PlacementError
+
+                    raise PlacementError(f"runtime.ray_address={address!r}: {e} — start the cluster (`ray start "
+                                         "--head`), fix the address, or unset it for a local Ray") from None
             else:  # a short temp dir: Ray's socket paths must stay under 107 bytes
                 _RAY_TMP = tempfile.mkdtemp(prefix="mopd-ray-", dir="/tmp")
                 res = {"num_cpus": max(num_workers, os.cpu_count() or 1)} if kind == "cpu" else {}

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from ..config import RESULTS_VERSION
 
+from ..errors import StageStateError
+
 log = logging.getLogger("mopd")
 
 # Written into a finished stage's final/ model dir: the model's identity travels with it (copied, moved, logged
@@ -29,9 +31,50 @@ log = logging.getLogger("mopd")
 MODEL_IDENTITY = "mopd_identity.json"
 
 
+def read_json_record(p: Path, recover: str) -> dict:
+    """A JSON state file of ours, or one line naming it and how to recover (`recover`): a file cut short by a
+    full disk, edited by hand or written by something else must not end a resume in a decoder traceback."""
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StageStateError(f"{p}: unreadable ({e.__class__.__name__}: {e}) — {recover}") from None
+    if not isinstance(obj, dict):
+        raise StageStateError(f"{p}: not a JSON object (got {type(obj).__name__}) — {recover}")
+    return obj
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a stage's metrics.jsonl. A last line cut short (a kill or full disk mid-write) is dropped: it
+    is past the last checkpoint, which a resume cuts back to anyway. A bad line before it is one error naming
+    the file and line."""
+    if not Path(path).exists():
+        return []
+    lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, ln in enumerate(lines):
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: last line cut short (%r…) — dropped", path, ln[:40])
+                break
+            row = None
+        if not isinstance(row, dict):
+            raise StageStateError(f"{path}: line {i + 1} is not a JSON object of step metrics — delete that line "
+                                  "(or the file, losing the curve but not the weights) and run again")
+        rows.append(row)
+    return rows
+
+
 def read_stage(stage_dir: Path) -> dict | None:
     p = Path(stage_dir) / "stage.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    if not p.exists():
+        return None
+    info = read_json_record(p, f"move {Path(stage_dir)} away (or delete it) and run the stage again")
+    if not isinstance(info.get("fingerprint", ""), str):
+        raise StageStateError(f"{p}: 'fingerprint' is not a string — move {Path(stage_dir)} away and run the "
+                              "stage again")
+    return info
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -61,7 +104,8 @@ def model_identity(model_dir: Path) -> dict | None:
     """The identity record of a model a stage produced (its final/ dir or a copy of it), or None."""
     p = Path(model_dir) / MODEL_IDENTITY
     if p.exists():
-        return json.loads(p.read_text())
+        return read_json_record(p, f"delete it to identify {Path(model_dir)} by its weights, or copy the model "
+                                   "again from its stage's final/")
     info = read_stage(Path(model_dir).parent) if Path(model_dir).name == "final" else None  # older folders
     return {"fingerprint": info["fingerprint"], "steps": info.get("steps")} if info else None
 

@@ -52,4 +52,16 @@ def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, optimizer, sch
 
 
 def load_loop_state(ckpt: Path) -> dict[str, Any]:
-    return torch.load(Path(ckpt) / "loop_state.pt", map_location="cpu", weights_only=False)
+    """The loop's optimizer/scheduler/step state of a checkpoint, or one line naming the file and how to resume
+    from the checkpoint before it (a file cut short by a full disk or a kill mid-copy)."""
+    p = Path(ckpt) / "loop_state.pt"
+    try:
+        st = torch.load(p, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError/… for a damaged file
+        raise StageStateError(f"{p}: unreadable ({e.__class__.__name__}: {' '.join(str(e).split())[:160]}) — "
+                              f"delete {Path(ckpt)} to resume from the checkpoint before it (or from the start)"
+                              ) from None
+    if not isinstance(st, dict) or "step" not in st:
+        raise StageStateError(f"{p}: not a loop state (no 'step') — delete {Path(ckpt)} to resume from the "
+                              "checkpoint before it")
+    return st

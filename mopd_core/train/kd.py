@@ -6,7 +6,6 @@ teachers' hidden states of the full-vocabulary JSD. The math is `algorithms.obje
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from .. import algorithms as alg
 from ..rollout import RolloutBatch, score_completions
+from ..stages.folder import read_metrics
 
 ADVANTAGE_KD = ("sampled_rkl", "topk_rkl")  # the kd losses that enter as an advantage (refresh, gap, conflict)
 
@@ -143,11 +143,8 @@ def dense_candidates(model, batch: RolloutBatch, router, *, kind: str, k: int, t
 def restore_gaps(metrics_path: Path, names: list[str]) -> list[float | None]:
     """The running per-domain gaps `gap/m/<domain>` of the last step in metrics.jsonl (already cut back to the
     checkpoint on resume), so a resumed run continues the same EMA."""
-    last = None
-    if metrics_path.exists():
-        for ln in metrics_path.read_text().splitlines():
-            if ln.strip():
-                last = json.loads(ln)
+    rows = read_metrics(metrics_path)
+    last = rows[-1] if rows else None
     if not last:
         return [None] * len(names)
     return [last.get(f"gap/m/{n}") for n in names]

@@ -14,6 +14,7 @@ else a size-limited fake (RLIMIT_FSIZE)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -170,6 +171,34 @@ def _free_port(w: World):
     yield {"url": f"http://127.0.0.1:{free_port()}"}
 
 
+@contextlib.contextmanager
+def _state_copy(w: World, damage: Callable[[Path], Path], expert_steps: int = 0):
+    """A copy of the prepared run (plus, with `expert_steps`, an expert-math stage stopped at a checkpoint) in a
+    folder of its own, then `damage(copy)` breaks one state file and returns it: the case resumes from it."""
+    d = Path(tempfile.mkdtemp(prefix="mopd-state-"))
+    shutil.copytree(w.root, d, dirs_exist_ok=True)
+    if expert_steps:
+        from mopd_core.cli import main as cli_main
+
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            rc = cli_main(["stage", "expert", "--domain", "math", "--init", str(w.sft), "--no-progress",
+                           *sets(tiny_overrides(d) + [f"expert.steps={expert_steps}", "expert.save_every=2"])])
+        assert rc in (0, None), rc
+    try:
+        yield {"dir": d, "file": damage(d)}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _garble(path: Path, text: str | None = None) -> Path:
+    path.write_bytes(text.encode() if text is not None else path.read_bytes()[: max(1, path.stat().st_size // 3)])
+    return path
+
+
+def _in_copy(c: dict, *args: str, extra: tuple = ()) -> list[str]:
+    return [*args, *sets(tiny_overrides(c["dir"]) + list(extra))]
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -204,6 +233,10 @@ def _data(w: World, name: str) -> list[str]:
     return ["stage", "sft", *w.ov(f"data.domains=[{{name: math, source: '{src}', eval_size: 4}}, "
                                   f"{{name: code, source: '{src}', eval_size: 4}}]", "sft.mix=null",
                                   "mopd.mix=null")]
+
+
+def _expert_init_ov(w: World, *extra: str) -> list[str]:
+    return ["stage", "expert", "--domain", "math", "--init", str(w.sft), *w.ov(*extra)]
 
 
 def _expert_init(w: World, init: Path) -> list[str]:
@@ -324,6 +357,97 @@ CASES = [
     Case("teacher-served-without-vllm", "hostile/teacher",
          lambda w, c: _stage_mopd(w, "teachers.backend=http", f"teachers.serve_python={w.models / 'no-python'}"),
          lambda w, c: ["teachers.serve_python", str(w.models / "no-python")]),
+    # -- settings that would have no effect in the chosen mode: refused, naming the setting and the mode that reads
+    #    it (each used to train with the setting silently dropped, exit 0)
+    *[Case(f"ignored-{cid}", "hostile/ignored-setting", (lambda ov: lambda w, c: _stage_mopd(w, *ov))(ov),
+           (lambda nd: lambda w, c: list(nd))(nd))
+      for cid, ov, nd in [
+          ("async-without-async-placement", ["async.max_staleness=2"], ["async", "runtime.placement=async"]),
+          ("servers-without-served-rollout", ["rollout.servers=2"], ["rollout.servers", "rollout.backend=served"]),
+          ("vllm-option-with-hf-rollout", ["rollout.sleep_level=2"], ["rollout.sleep_level", "rollout.backend=vllm"]),
+          ("kd-top-k-with-sampled-rkl", ["mopd.kd_top_k=4"], ["mopd.kd_top_k", "kd_loss=topk_rkl"]),
+          ("kd-candidates-with-sampled-rkl", ["mopd.kd_candidates=teacher"], ["mopd.kd_candidates", "topk_rkl"]),
+          ("gap-clip-without-gap-following", ["mopd.gap_clip=[0.1,10]"], ["mopd.gap_clip", "gap_following"]),
+          ("gap-momentum-without-gap-following", ["mopd.gap_momentum=0.5"], ["mopd.gap_momentum", "gap_following"]),
+          ("jsd-beta-with-sampled-rkl", ["mopd.jsd_beta=0.5"], ["mopd.jsd_beta", "kd_loss=jsd"]),
+          ("jsd-top-k-with-sampled-rkl", ["mopd.jsd_top_k=4"], ["mopd.jsd_top_k", "kd_loss=jsd"]),
+          ("mixture-weights-with-domain-routing", ["teachers.mixture_weights={math: 1, code: 2, if: 1}"],
+           ["teachers.mixture_weights", "routing=mixture"]),
+          ("mixture-kind-with-domain-routing", ["teachers.mixture_kind=geometric"],
+           ["teachers.mixture_kind", "routing=mixture"]),
+          ("domain-mixture-with-domain-routing", ["teachers.domain_mixture_weights={math: {math: 1}}"],
+           ["teachers.domain_mixture_weights", "routing=mixture"]),
+          ("conflict-with-domain-routing", ["teachers.conflict=mask"], ["teachers.conflict", "routing=mixture"]),
+          ("eval-temperature-without-mean-at-k", ["eval.temperature=0.5"], ["eval.temperature", "mean_at_k"]),
+          ("expert-kd-weight", ["expert.w_kd=1"], ["expert.w_kd", "rewards only"]),
+          ("expert-mix", ["expert.mix={math: 1}"], ["expert.mix", "rewards only"]),
+          ("expert-kd-loss", ["expert.kd_loss=jsd"], ["expert.kd_loss", "rewards only"]),
+          ("ray-address-without-workers", ["runtime.ray_address=127.0.0.1:6379"],
+           ["runtime.ray_address", "runtime.strategy=ddp"]),
+      ]],
+    # -- non-finite and degenerate numbers: refused as the config loads (an infinite lr trained NaN weights and
+    #    marked the stage done; a group of one sample makes every GRPO advantage 0)
+    *[Case(f"numbers-{cid}", "hostile/numbers", (lambda ov: lambda w, c: _expert_init_ov(w, *ov))(ov),
+           (lambda nd: lambda w, c: list(nd))(nd))
+      for cid, ov, nd in [
+          ("infinite-lr", ["expert.lr=.inf"], ["expert.lr", "finite"]),
+          ("nan-lr", ["expert.lr=.nan"], ["expert.lr"]),
+          ("infinite-grad-clip", ["expert.grad_clip=.inf"], ["expert.grad_clip", "finite"]),
+          ("infinite-clip-high", ["expert.clip_high=.inf"], ["expert.clip_high", "finite"]),
+          ("infinite-temperature", ["rollout.temperature=.inf"], ["rollout.temperature", "finite"]),
+          ("infinite-kd-clip", ["mopd.kd_clip=.inf"], ["mopd.kd_clip", "finite"]),
+          ("group-of-one-with-rewards", ["expert.group_size=1"], ["group_size=1", "advantage"]),
+          ("adam-beta-above-one", ["expert.betas=[1.5, 0.9]"], ["betas", "[0, 1)"]),
+          ("more-minibatches-than-samples", ["expert.minibatches=1000"], ["minibatches=1000", "samples"]),
+          ("warmup-longer-than-training", ["expert.warmup_steps=100"], ["warmup_steps=100", "steps"]),
+          ("negative-mix-weight", ["mopd.mix={math: -1, code: 1, if: 1}"], ["mix", "negative"]),
+          ("all-zero-mix", ["mopd.mix={math: 0, code: 0, if: 0}"], ["mix", "zero weight"]),
+          ("infinite-sft-mix-weight", ["sft.mix={math: .inf, code: 1, if: 1}"], ["sft.mix", "finite"]),
+          ("negative-mixture-weight", ["teachers.routing=mixture", "teachers.mixture_weights={math: -1, code: 1}"],
+           ["teachers.mixture_weights", "negative"]),
+          ("mixture-weight-for-no-domain", ["teachers.routing=mixture",
+                                            "teachers.domain_mixture_weights={poetry: {math: 1}}"],
+           ["teachers.domain_mixture_weights", "poetry"]),
+          ("misspelt-sft-scheduler", ["sft.lr_scheduler=cosine_with_warmupp"],
+           ["lr_scheduler", "cosine_with_warmupp", "constant_with_warmup"]),
+      ]],
+    # a cluster address nobody answers on: one line before the stage writes (ray.init retried past its timeout
+    # and ended in a library traceback, with a new stage folder left behind)
+    Case("placement-ray-address-refused", "hostile/placement",
+         lambda w, c: _expert_init_ov(w, "runtime.strategy=ddp", "runtime.num_workers=2",
+                                      f"runtime.ray_address={c['url'].removeprefix('http://')}"),
+         lambda w, c: ["runtime.ray_address", "no Ray cluster answers"], setup=_free_port),
+    Case("placement-ray-address-not-host-port", "hostile/placement",
+         lambda w, c: _expert_init_ov(w, "runtime.strategy=ddp", "runtime.num_workers=2",
+                                      "runtime.ray_address=headnode"),
+         lambda w, c: ["runtime.ray_address", "HOST:PORT"]),
+    Case("teacher-for-no-domain", "hostile/teacher",
+         lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
+                                                                 for a in ("--teacher", f"{d}={w.sft}")], *w.ov()],
+         lambda w, c: ["poetry", "no domain"]),
+    # -- state files damaged between runs (a full disk, a kill mid-copy, a hand edit): one line naming the file
+    #    and how to recover, nothing changed
+    Case("state-stage-record-garbled", "hostile/state", lambda w, c: _in_copy(c, "stage", "sft"),
+         lambda w, c: [str(c["file"]), "run the stage again"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "stage.json", '{"status": "do')),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-stage-record-not-an-object", "hostile/state", lambda w, c: _in_copy(c, "stage", "sft"),
+         lambda w, c: [str(c["file"]), "not a JSON object"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "stage.json", "[1, 2]")),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-model-identity-garbled", "hostile/state",
+         lambda w, c: _in_copy(c, "stage", "expert", "--domain", "math", "--init", str(c["dir"] / "t" / "sft" /
+                                                                                        "final")),
+         lambda w, c: [str(c["file"]), "delete it"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "sft" / "final" / "mopd_identity.json", "{")),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-optimizer-state-truncated", "hostile/state",
+         lambda w, c: _in_copy(c, "stage", "expert", "--domain", "math", "--init", str(w.sft),
+                               extra=("expert.steps=3", "expert.save_every=2")),
+         lambda w, c: [str(c["file"]), "resume from the checkpoint before it"],
+         setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "expert-math" / "checkpoints" / "step-000002" /
+                                                          "loop_state.pt"), expert_steps=2),
+         watch=lambda w, c: [c["dir"]]),
     # -- filesystem: a file in the way, read-only, disk full
     Case("fs-file-in-the-way", "hostile/filesystem",
          lambda w, c: ["stage", "sft", *sets(tiny_overrides(w.root / "blocker" / "runs"))],

@@ -110,7 +110,8 @@ def test_overrides_do_not_mutate_input_and_fingerprint_tracks_changes():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["mopd.prompts_per_step=3", "mopd.group_size=1"], "3 rows do not split evenly over runtime.num_workers=2"),
+    (["mopd.prompts_per_step=3", "mopd.group_size=1", "mopd.w_rl=0"],
+     "3 rows do not split evenly over runtime.num_workers=2"),
 ])
 def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, needle):
     """Checked by the loop's pre-flight (no worker started): one line naming the field and the fix."""
