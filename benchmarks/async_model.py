@@ -1,4 +1,4 @@
-"""A discrete-event model of the MOPD pipeline, synchronous vs asynchronous (issue 12, item 6).
+"""A discrete-event model of the MOPD pipeline, synchronous vs asynchronous.
 
 Takes per-step phase costs — generation, teacher scoring, the update, the weight hand-over — as measured on one
 student server, one teacher server and one training worker, and predicts steps/s and the idle fraction of each

@@ -1,5 +1,5 @@
 """Synchronous vs asynchronous MOPD on this machine, with the discrete-event model's prediction beside each
-measurement (issue 12, acceptance: `benchmarks/async_pipeline.py`).
+measurement: `benchmarks/async_pipeline.py`.
 
 Per seed: the tiny recipe's SFT model and three experts are trained once (cached in `--run-dir` by their
 fingerprints, so a rerun reuses them); then the MOPD stage runs, one mode after another on the same SFT model and

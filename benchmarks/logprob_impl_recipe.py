@@ -1,6 +1,6 @@
 """Benchmark: the tiny recipe with `train.logprob_impl: full` and with `chunked`, same machine and seeds.
 
-Issue 10's bar for the chunked log-probs on the tiny workload: every cell of the held-out table within 3 points
+The bar for the chunked log-probs on the tiny workload: every cell of the held-out table within 3 points
 of the `full` run's, and the stages it touches (experts + student: the RL/MOPD updates, local teacher scoring,
 behaviour recompute) not more than 10 % slower. SFT goes through TRL and does not read `train.logprob_impl`
 (its fingerprint leaves the `train` section out), so per seed it is trained once, by the first run, and reused
@@ -154,7 +154,7 @@ def markdown(cmp: dict, res: dict, order: list[str]) -> str:
                              f"{d['parts_at_step'] or 'never'} |")
         lines += ["", f"Largest cell difference: full vs chunked {cmp['checks'][0]['value']:.1f} points, full vs full "
                   f"(another summation order) {fl['worst']:.1f} points."]
-    lines += ["", "CPU s are the whole process's (the first run includes SFT). Goals (issue 10):", ""]
+    lines += ["", "CPU s are the whole process's (the first run includes SFT). Goals:", ""]
     lines += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['check']}: "
               + (f"{c['value']:.1f} points" if "cell" in c["check"] else f"{c['value']:+.1%}") for c in cmp["checks"]]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ process so that peak RSS is the arm's own — `full` (every weight, the preset's
 adapters on every linear layer but the head, its own lr). The arms run one after the other, so on a shared machine
 both see about the same load (the machine's load average is recorded before and after each).
 
-The bar (issue 13): the LoRA expert >= SFT + 10 points (held-out greedy accuracy) on its domain, every seed.
+The bar: the LoRA expert >= SFT + 10 points (held-out greedy accuracy) on its domain, every seed.
 Reported per arm: that accuracy (mean ± std over seeds), trainable parameters, median tokens/s of the RL steps
 (all, rollout, train), peak RSS of the arm's process, stage wall time, CPU seconds; the SFT budget used.
 

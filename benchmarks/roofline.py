@@ -1,4 +1,4 @@
-"""Benchmark: the CPU path against this machine's own limit (issue 14, item 3).
+"""Benchmark: the CPU path against this machine's own limit.
 
 One process measures, for each thread count (default 1 and 2) and each repeat, in this order:
 

@@ -5,7 +5,7 @@ For each seed, in its own process: `run_recipe` with `rounds=2` (round 1 = sft �
 `benchmarks/tiny_recipe.py`; round 2 re-trains each expert by GRPO from round 1's student and distils a new
 student from them), then the same recipe again over the same folder (the re-run: every stage must be reused,
 no model file rewritten; its wall time is mostly the evaluation of the 10 models, which the CLI recipe always
-redoes). The bar (issue 13): round 2's student ≥ round 1's student − 2 points on every domain.
+redoes). The bar: round 2's student ≥ round 1's student − 2 points on every domain.
 
 Writes `benchmarks/results/rounds.json` (or --out) and a Markdown table beside it: per seed and per domain the
 held-out greedy accuracy of SFT, round 1 and round 2 experts (each on its own domain) and students, the round-2 −

@@ -1,4 +1,4 @@
-"""MOPD vs multi-domain GRPO at the same sampling budget (issue 14, item 2): `benchmarks/sample_efficiency.py`.
+"""MOPD vs multi-domain GRPO at the same sampling budget: `benchmarks/sample_efficiency.py`.
 
 From the tiny recipe's SFT model (seed 0, with its three experts, built once and cached — the same run dir as
 `benchmarks/vs_trl.py`), two stages run per seed with the same steps × prompts × group samples and the same domain

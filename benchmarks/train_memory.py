@@ -51,7 +51,8 @@ def _status_kib(key: str) -> int:
 
 def full_estimate_gib(phase: str, V: int, T: int) -> float:
     """fp32 [T,V] tensors alive at the peak of the full path: train ~4 (logits, log-softmax, their gradients —
-    the issue's measurement: +2.4 GiB at V=151,936, T=1,024), teacher ~3 (logits, log-softmax, exp)."""
+    measured: +2.3 GiB at V=151,936, T=1,024 in benchmarks/results/train_memory.md), teacher ~3 (logits,
+    log-softmax, exp)."""
     return (4 if phase == "train" else 3) * T * V * 4 / 2**30
 
 
@@ -159,7 +160,7 @@ def report(cells: list[dict], machine: dict, threads: int, wall: float) -> tuple
     if f and c and "peak_mib" in f and "peak_mib" in c:
         goals.append({"goal": "train V=151936 T=1024: chunked ≥ 4× below full", "value": c["peak_mib"],
                       "threshold": round(f["peak_mib"] / 4, 1), "ok": 4 * c["peak_mib"] <= f["peak_mib"]})
-    lines += ["", "Goals (issue 10):", ""] + [f"- {'PASS' if g['ok'] else 'FAIL'} {g['goal']}: {g['value']:,.0f} "
+    lines += ["", "Goals:", ""] + [f"- {'PASS' if g['ok'] else 'FAIL'} {g['goal']}: {g['value']:,.0f} "
                                               f"(bound {g['threshold']:,.0f})" for g in goals]
     # growth: chunked train from the smallest to the largest T, beside what T·H and T·V scaling would predict
     growth = []

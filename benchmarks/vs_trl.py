@@ -1,4 +1,4 @@
-"""`mopd` against TRL's on-policy distillation on this machine (issue 14, item 1): `benchmarks/vs_trl.py`.
+"""`mopd` against TRL's on-policy distillation on this machine: `benchmarks/vs_trl.py`.
 
 The same tiny SFT student, the same expert teacher(s), the same prompts, the same samples per step (prompts ×
 group), the same steps and threads on both sides; arms run interleaved (A B C … A B C …, every arm once per

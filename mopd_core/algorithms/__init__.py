@@ -1,4 +1,4 @@
-"""The MOPD objective (DESIGN §3) in pure torch: advantages, distillation signals, the policy loss, balancing.
+"""The MOPD objective (docs/objectives.md) in pure torch: advantages, distillation signals, the policy loss, balancing.
 
 Shapes: ``B`` samples, ``T`` completion positions, ``K`` teachers, ``V`` vocabulary, ``S`` a shared support.
 Every function computes in its input's dtype on its input's device and never moves tensors between devices.
@@ -21,7 +21,7 @@ Distillation signals (:mod:`.distill`):
     - ``generalized_jsd(student_logp, teacher_logp [B, T, S], beta, mask) -> scalar`` — TRL-GKD's ``JSD_β``
       (β=0 forward KL(T‖S), β=1 reverse KL(S‖T)), mean over unmasked positions.
 
-MOPD objectives (:mod:`.objectives`; docs/architecture.md "MOPD objectives"):
+MOPD objectives (:mod:`.objectives`; docs/objectives.md):
     - ``candidate_slots(cand_ids [B, T, C], sampled_ids [B, T]) -> (slot_ids, kd_valid, rl_slot) [B, T, C+1]``.
     - ``topk_rkl_advantages(student_logp, teacher_logp, kd_valid [B, T, S], mask, clip=None) -> [B, T, S]`` —
       Open-MOPD's ``clip(ℓᵀ − ℓˢ) · p̃ˢ`` over the candidates.

@@ -1,4 +1,4 @@
-"""Advantages (DESIGN §3): GRPO group-normalised rewards, sampled-token reverse-KL distillation, their combination.
+"""Advantages: GRPO group-normalised rewards, sampled-token reverse-KL distillation, their combination.
 
 Every advantage is stop-gradient: the functions run under ``torch.no_grad()`` and return detached tensors.
 They compute in the input's floating dtype, on the input's device, and never move tensors between devices.
@@ -99,7 +99,7 @@ def combine_advantages(
     w_rl: float = 1.0,
     w_kd: float = 1.0,
 ) -> torch.Tensor:
-    """Combined per-token advantage ``A_t = w_rl · A^R + w_kd · A^D_t`` (DESIGN §3).
+    """Combined per-token advantage ``A_t = w_rl · A^R + w_kd · A^D_t``.
 
     Args:
         rl_advantages: ``[B]`` (one per sample, broadcast over T), ``[B, T]``, or ``None`` (term omitted).

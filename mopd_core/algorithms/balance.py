@@ -1,4 +1,4 @@
-"""Token-share balancing (DESIGN §3, ``balance: none | tokens``).
+"""Token-share balancing (``mopd.balance: none | tokens``).
 
 With a token-mean loss, a domain with short answers holds few of the batch's tokens and so little of the loss
 (Open-MOPD: instruction following had 20% of the prompts but ~1% of the tokens). Token-share weights rescale

@@ -1,4 +1,4 @@
-"""Distillation signals (DESIGN §3): teacher mixtures, the top-k shared support, and the generalised JSD.
+"""Distillation signals: teacher mixtures, the top-k shared support, and the generalised JSD.
 
 - :func:`mix_teacher_logprobs` — mixture routing of per-token teacher log-probs (arithmetic or geometric).
 - :func:`topk_support` — student and teacher distributions restricted to {teacher top-k ∪ sampled token} plus

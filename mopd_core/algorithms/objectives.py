@@ -1,4 +1,4 @@
-"""The published MOPD objectives beyond the sampled-token reverse KL (docs/architecture.md, "MOPD objectives").
+"""The published MOPD objectives beyond the sampled-token reverse KL (docs/objectives.md).
 
 - Dense top-K reverse KL (Open-MOPD, arXiv 2608.19098, Algorithm 1; `training/verl` of BytedTsinghua-SIA/
   Open-MOPD, ``top_k_strategy=only_stu``): per position a candidate set ``C_t`` (the student's top-K, the

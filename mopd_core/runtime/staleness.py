@@ -1,4 +1,4 @@
-"""The bounded, staleness-aware queue between asynchronous producers and the trainer (issue 12, DESIGN §10).
+"""The bounded, staleness-aware queue between asynchronous producers and the trainer (`runtime.placement: async`).
 
 Producers (generate on the student, score on the teachers, compute rewards) `put` scored items — one GRPO group
 each, so a group never splits — stamped with the weight version that generated them; the trainer `take`s the

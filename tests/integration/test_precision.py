@@ -1,4 +1,4 @@
-"""Mixed precision and activation memory (issue 10 part 3) on the tiny model: bfloat16 compute trains float32
+"""Mixed precision and activation memory on the tiny model: bfloat16 compute trains float32
 master weights and optimizer state; gradient checkpointing and the ranks' zero-weight padding passes leave the
 update unchanged."""
 

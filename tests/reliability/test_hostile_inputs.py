@@ -265,7 +265,7 @@ CASES = [
          lambda w, c: ["mopd.steps", "key.path=value"]),
     Case("config-bad-name", "hostile/config", lambda w, c: ["recipe", *w.ov("name=../escape")],
          lambda w, c: ["name"]),
-    # prompt + completion + 1 > the model's context: caught before SFT trains (issue 9: it trained anyway)
+    # prompt + completion + 1 > the model's context: caught before SFT trains (it once trained anyway)
     Case("config-context-too-long", "hostile/config", lambda w, c: ["recipe", *w.ov("rollout.max_new_tokens=200")],
          lambda w, c: ["max_position_embeddings", "rollout.max_new_tokens"]),
     # nothing to learn from: must fail before the recipe trains SFT and the experts
@@ -295,7 +295,7 @@ CASES = [
          lambda w, c: ["no-teacher-id.jsonl", "teacher_id"]),
     Case("data-unknown-teacher-id", "hostile/data", lambda w, c: _data(w, "unknown-teacher.jsonl"),
          lambda w, c: ["unknown-teacher.jsonl", "poetry", "known"]),
-    # a row longer than data.max_prompt_tokens: caught at load time, before SFT trains on it (issue 9)
+    # a row longer than data.max_prompt_tokens: caught at load time, before SFT trains on it
     Case("data-over-long-prompt", "hostile/data", lambda w, c: _data(w, "over-long.jsonl"),
          lambda w, c: ["over-long.jsonl", "max_prompt_tokens"]),
     Case("data-prompt-not-text", "hostile/data", lambda w, c: _data(w, "prompt-not-text.jsonl"),
@@ -309,7 +309,7 @@ CASES = [
     # -- models: missing / truncated / mismatched checkpoints and tokenizers
     Case("model-missing-init", "hostile/model", lambda w, c: _expert_init(w, w.models / "nope"),
          lambda w, c: [str(w.models / "nope")]),
-    # issue 9: a traceback, and a new stage folder left behind
+    # once: a traceback, and a new stage folder left behind
     Case("model-truncated-safetensors", "hostile/model", lambda w, c: _expert_init(w, w.models / "truncated"),
          lambda w, c: [str(w.models / "truncated"), "model.safetensors"], via="subprocess"),
     Case("model-missing-tokenizer", "hostile/model", lambda w, c: _expert_init(w, w.models / "no-tokenizer"),

@@ -1,4 +1,4 @@
-"""mopd_core.algorithms against float64 references written here with plain Python loops (DESIGN §3, §7)."""
+"""mopd_core.algorithms against float64 references written here with plain Python loops."""
 
 from __future__ import annotations
 

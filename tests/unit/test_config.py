@@ -127,7 +127,7 @@ def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, ne
 
 
 def test_presets_say_how_they_scale():
-    """Issue 10: Open-MOPD's SmolLM3-3B on 4 GPUs and the Ascend preset on 8 NPUs train under FSDP2 in bfloat16
+    """Open-MOPD's SmolLM3-3B on 4 GPUs and the Ascend preset on 8 NPUs train under FSDP2 in bfloat16
     with chunked log-probs, a token budget per micro-batch and gradient checkpointing; their loops pass the
     sharded-training pre-flight (rows split evenly, no top-k JSD)."""
     from mopd_core.train.loop import check_loop_config

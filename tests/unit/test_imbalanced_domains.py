@@ -1,4 +1,4 @@
-"""The imbalanced pair of configs/tiny_imbalanced.yaml (issue 13 item 4): `mathchain` (a worked running sum, judged
+"""The imbalanced pair of configs/tiny_imbalanced.yaml: `mathchain` (a worked running sum, judged
 by the `final_answer` verifier) and `ifshort` (one-digit answers over mathchain's characters) — answers recomputed
 here, generation deterministic by seed, the answer-length ratio the benchmark relies on, and the preset."""
 

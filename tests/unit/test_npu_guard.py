@@ -48,8 +48,9 @@ def test_broken_torch_npu_leaves_the_rollout_engines_importable(tmp_path):
 
 
 # ---------------------------------------------------------------- npu boundary, torch_npu faked
-# The real torch_npu needs Ascend CANN (FIELD_NOTES); these tests put a fake one in its place and check that the
-# device layer takes the npu path — hccl, ASCEND_RT_VISIBLE_DEVICES, torch.npu.* memory — at the boundary.
+# The real torch_npu needs Ascend's CANN toolkit, which no CI machine has; these tests put a fake one in its
+# place and check that the device layer takes the npu path — hccl, ASCEND_RT_VISIBLE_DEVICES, torch.npu.*
+# memory — at the boundary.
 
 import types  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""The fast paths equal the paths they replaced (issue 14, item 3), and the GPU performance script's code path
-runs at tiny shapes on the CPU (item 4) so that it cannot rot where no device is lent."""
+"""The fast paths equal the paths they replaced, and the GPU performance script's code path
+runs at tiny shapes on the CPU so that it cannot rot where no device is lent."""
 
 from __future__ import annotations
 

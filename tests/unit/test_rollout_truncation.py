@@ -1,4 +1,4 @@
-"""Truncated training rollouts (`rollout.top_p` < 1, `top_k`, `min_p`; issue 11 item 4): the loop passes top_k /
+"""Truncated training rollouts (`rollout.top_p` < 1, `top_k`, `min_p`): the loop passes top_k /
 min_p to the engine and replaces the engine's processed behaviour log-probs with the trainer's recomputed
 `completion_logprobs` (the first PPO ratio is 1, `rollout/trunc_logp_gap` > 0 is logged); without truncation the
 engine's batch goes to the update untouched and no extra forward runs; config validation, dump and fingerprints.

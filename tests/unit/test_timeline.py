@@ -1,4 +1,4 @@
-"""train.timeline: busy and overlap fractions of the loop's phases, and the Gantt chart (issue 12, item 5)."""
+"""train.timeline: busy and overlap fractions of the loop's phases, and the Gantt chart."""
 
 from __future__ import annotations
 
