@@ -1,4 +1,4 @@
-"""MLflow tracking and lineage (DESIGN §5), usable without Prefect (never imports it).
+"""MLflow tracking and lineage (docs/orchestration.md), usable without Prefect (never imports it).
 
 Everything goes through an explicit `MlflowClient` and explicit run ids: Prefect threads and Ray workers do not
 share MLflow's fluent active-run stack, so a child run names its parent (`parent_run_id`) instead of relying on

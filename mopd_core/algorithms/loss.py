@@ -1,4 +1,4 @@
-"""The policy loss (DESIGN §3): PPO-clip, token-mean over every unmasked token of the batch.
+"""The policy loss: PPO-clip, token-mean over every unmasked token of the batch.
 
 ``ρ_t = exp(log π_θ(y_t|·) − ℓ^old_t)``,
 ``L = −Σ_t w_t · min(ρ_t A_t, clip(ρ_t, 1 − ε_lo, 1 + ε_hi) A_t) / N_tokens``

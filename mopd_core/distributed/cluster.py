@@ -1,4 +1,4 @@
-"""Ray runtime (DESIGN §4, issue 5 item 3): one placement-group bundle per device, data-parallel training
+"""Ray runtime: one placement-group bundle per device, data-parallel training
 workers running torch.distributed, colocated rollout workers, and the weight hand-over between them.
 
 Layout for `ClusterSpec(num_workers=N, kind=..., tp=k)`:

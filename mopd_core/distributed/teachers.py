@@ -1,4 +1,4 @@
-"""Local teachers on the training workers' devices (`teachers.placement: workers`, issue 10).
+"""Local teachers on the training workers' devices (`teachers.placement: workers`).
 
 With `runtime.strategy` ddp/fsdp2 the student's update runs on N Ray workers, one per device, while local
 teachers would otherwise all live in the driver's process on device 0 — beside rank 0's training state and the

@@ -1,4 +1,5 @@
-"""Character-level synthetic domains for the tiny CPU recipe (see FIELD_NOTES "Tiny model").
+"""Character-level synthetic domains for the tiny CPU recipe: tasks a ~1.4 M-parameter model learns in minutes on
+a CPU.
 
     math  "37+45=" → "82", "91-27=" → "64" (a ≥ b for '-', so no negatives)
     code  "sort:31425=" → "12345" (digits), "rev:abcde=" → "edcba" (lowercase letters)
@@ -13,8 +14,8 @@ one of `weak_tasks` ends in a stray "." ("64" → "64.") with probability `weak_
 learns every task in full, and on the weak ones to add the "." more often than not, so its greedy answer there
 is wrong while a sample at temperature 1 is right ~(1 - weak_rate) × its skill — the gap RL with the verifier
 closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's RL
-headroom from hanging on where SFT's learning curve stops (issue 9). Tried first: a demonstration cut one
-character short (the last character is then seen too rarely to be learned, so RL cannot recover it) and one
+headroom from hanging on where SFT's learning curve stops (which differed by seed and machine). Tried first: a
+demonstration cut one character short (the last character is then seen too rarely to be learned, so RL cannot recover it) and one
 with its last character repeated (the model spreads that mass over several characters, so on some seeds greedy
 decoding already stops right and the gap is gone) — one fixed token keeps the gap the same on every seed.
 
@@ -264,7 +265,7 @@ class InstructionDomain(SyntheticDomain):
         return total
 
 
-# ---- the imbalanced pair (configs/tiny_imbalanced.yaml, issue 13 item 4) ------------------------------------
+# ---- the imbalanced pair (configs/tiny_imbalanced.yaml) ------------------------------------------------------
 # Open-MOPD's diagnosis (arXiv 2608.19098): the `if` domain held 20 % of the prompts but ~1 % of the gradient
 # tokens, its answers being ~25x shorter than math's worked solutions. The tiny math/code/if answers are all
 # <= 10 characters, so they cannot show it; these two differ ~11x in answer length with the same tiny model.

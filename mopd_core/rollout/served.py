@@ -1,4 +1,5 @@
-"""`rollout.backend: served` — the student's rollout engine as separate vLLM OpenAI servers (issue 12).
+"""`rollout.backend: served` — the student's rollout engine as separate vLLM OpenAI servers
+(used by `runtime.placement: async`; docs/async.md).
 
     engine = ServedRollout.start(model_dir, run_dir, tokenizer=tok, servers=2, ...)  # N supervised servers
     batch = engine.generate(examples, max_new_tokens=…, generator=gen)   # RolloutBatch, behaviour log-probs

@@ -190,7 +190,7 @@ class RoutedScore:
 
 class TeacherRouter:
     """Domain routing (each sample → the teacher of its `teacher_id`) or mixture routing (weights per teacher,
-    optionally per domain; arithmetic or geometric, DESIGN §3)."""
+    optionally per domain; arithmetic or geometric (a product of experts); docs/objectives.md)."""
 
     def __init__(self, teachers: dict, routing: str = "domain", mixture_kind: str = "arithmetic",
                  mixture_weights: dict[str, float] | None = None,

@@ -1,5 +1,5 @@
 """When each step's generation, scoring and update ran — the picture of how much the asynchronous pipeline
-overlaps them (issue 12) and, in the synchronous loop, the proof that nothing does.
+overlaps them (`runtime.placement: async`) and, in the synchronous loop, the proof that nothing does.
 
 The policy loop appends one row per step to `<stage>/timeline.jsonl`:
 `{"step", "version", "generate": [t0, t1], "score": [t0, t1], "train": [t0, t1]}`, seconds on one monotonic clock

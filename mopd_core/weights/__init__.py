@@ -1,4 +1,4 @@
-"""Colocated weight hand-over from the trainer to the rollout engine (DESIGN §2 `weights/`, issue 5 item 1).
+"""Colocated weight hand-over from the trainer to the rollout engine.
 
 Two parts, each usable alone (whole state dicts move: the in-process vLLM engine and the student's servers
 reshard for tensor parallelism in their own `load_weights`, and the Ray trainers gather FSDP2 shards first):

@@ -186,7 +186,7 @@ def _pids_gone(run_dir: Path, manifest: str) -> list[Path]:
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason=f"vLLM environment missing ({VLLM_PY}): run infra/vllm_venv.sh")
 def test_async_mopd_deployment_starts_and_stops_its_servers(services, recipe_runs):
-    """The mopd stage deployment with runtime.placement=async (issue 12): the student generates on its own vLLM
+    """The mopd stage deployment with runtime.placement=async: the student generates on its own vLLM
     server one weight version behind the trainer; the run completes, its MLflow run holds the async metrics and the
     overlap plot, the Prefect run a timeline table — and the student server is gone afterwards, also when the
     stage fails mid-run (mixture routing with kd_loss=jsd is refused at the first scoring call, after the server

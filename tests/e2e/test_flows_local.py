@@ -1,7 +1,7 @@
 """The recipe as Prefect flows in ephemeral mode (no server) against a local SQLite MLflow store: one parent run
 and a child per stage with params, step metrics and plots; registered models whose tags walk the lineage from
 the student back to SFT; Prefect artifacts; a second run served from the cache; bad parameters fail before any
-stage, naming the parameter. The recipe runs two MOPD rounds (`rounds=2`, issue 13): round 2's experts and
+stage, naming the parameter. The recipe runs two MOPD rounds (`rounds=2`): round 2's experts and
 student are tracked, registered with lineage to round 1's student and reused by the second run like round 1."""
 
 from __future__ import annotations

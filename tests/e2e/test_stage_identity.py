@@ -1,4 +1,4 @@
-"""One stage identity for the CLI and Prefect (issue 9): the Prefect cache key is derived from the engine's
+"""One stage identity for the CLI and Prefect: the Prefect cache key is derived from the engine's
 fingerprint, the orchestration never deletes a stage folder, and a cached stage whose MLflow run is gone from the
 tracking store is logged again from its folder.
 
