@@ -15,8 +15,8 @@ learns every task in full, and on the weak ones to add the "." more often than n
 is wrong while a sample at temperature 1 is right ~(1 - weak_rate) × its skill — the gap RL with the verifier
 closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's RL
 headroom from hanging on where SFT's learning curve stops (which differed by seed and machine). Tried first: a
-demonstration cut one character short (the last character is then seen too rarely to be learned, so RL cannot recover it) and one
-with its last character repeated (the model spreads that mass over several characters, so on some seeds greedy
+demonstration cut one character short (the last character is then seen too rarely to be learned, so RL cannot
+recover it) and one with its last character repeated (the model spreads that mass over several characters, so on some seeds greedy
 decoding already stops right and the gap is gone) — one fixed token keeps the gap the same on every seed.
 
 The held-out eval set is `eval_size` distinct prompts drawn from a generator
