@@ -16,8 +16,9 @@ is wrong while a sample at temperature 1 is right ~(1 - weak_rate) × its skill 
 closes (pass@k → pass@1) and distillation has to carry over to the student. It keeps the tiny recipe's RL
 headroom from hanging on where SFT's learning curve stops (which differed by seed and machine). Tried first: a
 demonstration cut one character short (the last character is then seen too rarely to be learned, so RL cannot
-recover it) and one with its last character repeated (the model spreads that mass over several characters, so on some seeds greedy
-decoding already stops right and the gap is gone) — one fixed token keeps the gap the same on every seed.
+recover it) and one with its last character repeated (the model spreads that mass over several characters, so on
+some seeds greedy decoding already stops right and the gap is gone) — one fixed token keeps the gap the same on
+every seed.
 
 The held-out eval set is `eval_size` distinct prompts drawn from a generator
 seeded by (kind, seed) only — not by the domain's name — so it is the same for every run with that seed;
