@@ -790,7 +790,8 @@ class WorkerGroup:
                "param_bytes_per_rank": max(o["param_bytes"] for o in outs),
                "optim_bytes_per_rank": max(o["optim_bytes"] for o in outs),
                "perf/micro_batches": max(o.get("perf/micro_batches", 0.0) for o in outs),  # equal on every rank
-               "perf/pad_frac": sum(o.get("perf/pad_frac", 0.0) for o in outs) / W}
+               "perf/pad_frac": sum(o.get("perf/pad_frac", 0.0) for o in outs) / W,
+               "weights_finite": min(o.get("weights_finite", 1.0) for o in outs)}  # any rank's shard
         for k in ("entropy", "clip_frac", "approx_kl", "ratio_mean"):
             res[k] = sum(o.get(k, 0.0) * n for o, n in zip(outs, ntok)) / tot
         if kd is not None:  # pre-scaled like the loss

@@ -251,11 +251,14 @@ def _run_steps(ctx: StageContext, r: Roles, on_step, progress: bool) -> list[dic
 
 
 def _check_finite(ctx: StageContext, upd: dict[str, float], step: int) -> None:
-    if not all(math.isfinite(upd[k]) for k in ("loss", "grad_norm")):
+    """Every step (not only at logging steps): a non-finite loss or gradient skipped the optimizer step; weights
+    that became non-finite anyway stop the stage before it can checkpoint or finish them."""
+    finite_weights = upd.pop("weights_finite", 1.0) > 0
+    if not (finite_weights and all(math.isfinite(upd[k]) for k in ("loss", "grad_norm"))):
         last = checkpoint_dirs(ctx.stage_dir)
         raise NonFiniteLossError(
-            f"{ctx.stage}: non-finite loss/gradient at step {step} (loss={upd['loss']}, grad_norm="
-            f"{upd['grad_norm']}); stopped without saving — last good checkpoint: "
+            f"{ctx.stage}: non-finite loss/gradient/weights at step {step} (loss={upd['loss']}, grad_norm="
+            f"{upd['grad_norm']}, weights finite: {finite_weights}); stopped without saving — last good checkpoint: "
             f"{last[-1] if last else 'none'} (lower the lr or check the data)")
 
 

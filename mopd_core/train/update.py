@@ -120,7 +120,19 @@ def policy_update(model, opt, sched, batch: RolloutBatch, adv, mask, token_w, ro
             return dict(agg)
         opt.step()
         sched.step()
+    agg["weights_finite"] = float(weights_finite(model))
     return dict(agg)
+
+
+def weights_finite(model) -> bool:
+    """Whether every trained parameter is finite after the update: a finite loss and gradient can still step the
+    weights to inf/NaN (a learning rate far too large), which the next step's loss would show only after the stage
+    had been marked done on its last step. One fused norm per dtype and one host sync."""
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    if not params:
+        return True
+    norms = torch._foreach_norm(params)  # a NaN/inf anywhere in a tensor makes its norm non-finite
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
 def _micro_step(u: _Update, agg: dict[str, float], mb: list[int], mb_i: int, rows: list[int], n_mb: float) -> None:

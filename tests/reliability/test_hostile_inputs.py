@@ -421,6 +421,10 @@ CASES = [
          lambda w, c: _expert_init_ov(w, "runtime.strategy=ddp", "runtime.num_workers=2",
                                       "runtime.ray_address=headnode"),
          lambda w, c: ["runtime.ray_address", "HOST:PORT"]),
+    # finite but far too large: the next step's loss is not finite — the stage stops there (every step is checked,
+    # loss, gradient and weights) instead of finishing; the new stage's folder may stay, without a final model
+    Case("numbers-learning-rate-that-diverges", "hostile/numbers", lambda w, c: _stage_mopd(w, "mopd.lr=1e37"),
+         lambda w, c: ["non-finite", "lower the lr"], may_create=("t/student",)),
     Case("teacher-for-no-domain", "hostile/teacher",
          lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
                                                                  for a in ("--teacher", f"{d}={w.sft}")], *w.ov()],

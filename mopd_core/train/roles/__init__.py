@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...models import load_model, model_shape, unwrap
+from ...models import compile_decoder_layers, load_model, model_shape, unwrap
 from ...models.lora import ADAPTER_DIR, add_lora, load_adapter, merged_copy, trainable_parameters
 from ...rollout.engines import build_rollout
 from ...runtime import device as devlib
@@ -72,6 +72,8 @@ def load_policy(ctx: StageContext, trainer: PolicyTrainer | None):
     model.train()
     if ctx.recipe.train.gradient_checkpointing and trainer is None:
         enable_gradient_checkpointing(model)
+    if ctx.recipe.train.compile and trainer is None:  # training-mode forwards only; samplers stay eager
+        compile_decoder_layers(model, ctx.kind)
     return model
 
 
