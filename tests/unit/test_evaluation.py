@@ -38,3 +38,36 @@ def test_table_and_plot(tmp_path):
     assert "| sft | 50.0 | 25.0 |" in t and "| student | 87.5 | – |" in t
     p = plot_accuracy(res, tmp_path / "a.png")
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_greedy_accuracy_scores_the_argmax_completion(tmp_path):
+    """The greedy row is the argmax decode: a domain whose reward is 1 exactly for the completion transformers'
+    own greedy `generate` gives (computed here, independently of our engine) must score 1.0 — a sampled
+    completion of an untrained model almost never matches it."""
+    import torch
+
+    from mopd_core.models.chat import PromptFormatter
+
+    path = build_tiny(ModelConfig(tiny={"hidden_size": 64, "num_layers": 1, "num_heads": 2,
+                                        "intermediate_size": 64}), tmp_path / "m")
+    model, tok = load_model(path).eval(), load_tokenizer(path)
+    fmt = PromptFormatter(tok)
+    stop = fmt.stop_ids(model.generation_config, tok)
+    want: dict[str, str] = {}
+
+    class _Argmax(MathDomain):
+        kind = "argmax"
+
+        def reward(self, example: Example, completion: str) -> float:
+            return float(completion == want[example.prompt])
+
+    dom = _Argmax(name="m", eval_size=12)
+    with torch.no_grad():
+        for e in dom.eval_examples():
+            ids = torch.tensor([fmt.ids(e)])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                                 eos_token_id=stop, pad_token_id=stop[0])[0, ids.shape[1]:].tolist()
+            n = next((i for i, t in enumerate(out) if t in stop), len(out))
+            want[e.prompt] = tok.decode(out[:n], skip_special_tokens=True)
+    res = evaluate_model(model, tok, {"m": dom}, EvalConfig(batch_size=16), "cpu", 6)
+    assert res["m"]["greedy"] == 1.0
