@@ -176,18 +176,18 @@ def load_adapter(model, adapter_dir: str | Path) -> None:
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.exists():
         raise ModelError(f"'{adapter_dir}' holds no LoRA adapter ({ADAPTER_WEIGHTS}) — resume from a checkpoint "
-                         "of a LoRA stage or restart the stage (`--restart`)")
+                         "of a LoRA stage or restart the stage (move its folder away; `mopd recipe --restart`)")
     sd = {k.removeprefix(_PEFT_PREFIX): v for k, v in load_file(str(path)).items()}
     want = set(adapter_state_dict(model))
     if set(sd) != want:
         raise ModelError(f"the adapter in '{adapter_dir}' does not match the configured LoRA layers ({len(sd)} "
                          f"tensors, {len(want)} expected) — resume with the lora settings it was trained with or "
-                         "restart the stage (`--restart`)")
+                         "restart the stage (move its folder away; `mopd recipe --restart`)")
     res = set_peft_model_state_dict(model, sd, adapter_name=_ADAPTER)
     bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]  # lib: torch/peft load results
     if bad:
         raise ModelError(f"the adapter in '{adapter_dir}' has tensors the model lacks ({bad[0]}, …) — restart the "
-                         "stage (`--restart`)")
+                         "stage (move its folder away; `mopd recipe --restart`)")
 
 
 def count_lora_params(model, cfg) -> int:

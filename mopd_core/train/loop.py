@@ -28,6 +28,7 @@ from ..errors import ConfigError, TrainingDivergedError
 from ..evaluation import EvalResult, eval_sources_of, evaluate, evaluate_model
 from ..models import load_model, load_tokenizer, save_pretrained, tokenizer_fingerprint
 from ..models.chat import carry_chat_template
+from ..stages.folder import read_metrics
 from ..rollout import RolloutBatch
 from ..rollout.engines import build_rollout
 from ..runtime import device as devlib
@@ -216,7 +217,8 @@ def _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
         raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "
                               f"more than the {loop_cfg.steps} asked for; ask for at least that many steps, restart "
-                              f"the stage (`--restart`; in a Prefect flow `refresh`) or choose another name")
+                              f"the stage (move {stage_dir} away; `mopd recipe --restart`; in a Prefect flow "
+                              "`refresh`) or choose another name")
     st = load_loop_state(ckpts[-1]) if ckpts else {}  # optimizer + scheduler + step: read once
     return StageContext(stage, loop_cfg, recipe, stage_dir, init_path, domains, eval_domains, mix, tokenizer, dinfo,
                         teachers, st["step"] if ckpts else 0, ckpts, st)
@@ -360,11 +362,14 @@ def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[st
 
 
 def _truncate_metrics(path: Path, upto_step: int) -> None:
-    """On resume, drop rows after the checkpoint so the JSONL holds each step exactly once."""
+    """On resume, drop rows after the checkpoint so the JSONL holds each step exactly once (a damaged line: one
+    error naming it, before anything is rewritten; the rewrite is atomic)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= upto_step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= upto_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    tmp.replace(path)
 
 
 def evaluate_checkpoint(path, recipe: RecipeConfig, domains, eval_cfg: EvalConfig | None = None, *,

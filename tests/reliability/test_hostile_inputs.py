@@ -195,6 +195,13 @@ def _garble(path: Path, text: str | None = None) -> Path:
     return path
 
 
+def _garble_first_line(path: Path) -> Path:
+    lines = path.read_text().splitlines()
+    assert len(lines) >= 2, lines  # the damaged line is not the last (a torn last line is dropped on purpose)
+    path.write_text("\n".join(['{"step": 1, "loss": 0.5'] + lines[1:]) + "\n")
+    return path
+
+
 def _in_copy(c: dict, *args: str, extra: tuple = ()) -> list[str]:
     return [*args, *sets(tiny_overrides(c["dir"]) + list(extra))]
 
@@ -451,6 +458,13 @@ CASES = [
          lambda w, c: [str(c["file"]), "resume from the checkpoint before it"],
          setup=lambda w: _state_copy(w, lambda d: _garble(d / "t" / "expert-math" / "checkpoints" / "step-000002" /
                                                           "loop_state.pt"), expert_steps=2),
+         watch=lambda w, c: [c["dir"]]),
+    Case("state-metrics-line-garbled", "hostile/state",
+         lambda w, c: _in_copy(c, "stage", "expert", "--domain", "math", "--init", str(w.sft),
+                               extra=("expert.steps=3", "expert.save_every=2")),
+         lambda w, c: [str(c["file"]), "line 1", "delete that line"],
+         setup=lambda w: _state_copy(w, lambda d: _garble_first_line(d / "t" / "expert-math" / "metrics.jsonl"),
+                                     expert_steps=2),
          watch=lambda w, c: [c["dir"]]),
     # -- filesystem: a file in the way, read-only, disk full
     Case("fs-file-in-the-way", "hostile/filesystem",

@@ -142,7 +142,9 @@ def test_a_hanging_sympy_item_scores_zero_within_its_timeout_and_the_pool_surviv
     took = time.monotonic() - t0
     assert rows[0].reward == 0.0 and rows[0].info.get("timeout") is True, rows[0]
     assert [r.reward for r in rows[1:]] == [1.0, 0.0]  # the other worker kept scoring meanwhile
-    assert took < 2.0 + 1.5, took
+    # the hard timeout ended it (9^(9^9) never finishes on its own); the margin is for a loaded machine, not a
+    # speed target: a verifier that waited for the item would never get here
+    assert took < 2.0 + 30, took
     assert pool.restarts == restarts + 1
     t0 = time.monotonic()
     assert v(ok, "\\boxed{3}") == 1.0  # a fresh worker replaced the killed one

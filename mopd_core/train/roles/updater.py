@@ -100,7 +100,8 @@ class RemoteUpdater:
     def __init__(self, ctx: StageContext, model, trainer: PolicyTrainer) -> None:
         if ctx.ckpts and ctx.state.get("optimizer") is not None:
             raise StageStateError(f"{ctx.last_ckpt} was trained in one process (runtime.strategy=single); resume "
-                                  "it with runtime.strategy=single, or restart the stage (`--restart`)")
+                                  f"it with runtime.strategy=single, or restart the stage (move {ctx.stage_dir} away; "
+                                  "`mopd recipe --restart`)")
         self.ctx, self.model, self.trainer = ctx, model, trainer
 
     def start(self) -> None:
