@@ -430,8 +430,9 @@ CASES = [
          lambda w, c: ["runtime.ray_address", "HOST:PORT"]),
     # finite but far too large: the next step's loss is not finite — the stage stops there (every step is checked,
     # loss, gradient and weights) instead of finishing; the new stage's folder may stay, without a final model
-    Case("numbers-learning-rate-that-diverges", "hostile/numbers", lambda w, c: _stage_mopd(w, "mopd.lr=1e37"),
-         lambda w, c: ["non-finite", "lower the lr"], may_create=("t/student",)),
+    Case("numbers-learning-rate-that-diverges", "hostile/numbers",
+         lambda w, c: _stage_mopd(w, "mopd.lr=1e37", "name=diverge"),  # a run of its own: no other case's student
+         lambda w, c: ["non-finite", "lower the lr"], may_create=("diverge",)),
     Case("teacher-for-no-domain", "hostile/teacher",
          lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
                                                                  for a in ("--teacher", f"{d}={w.sft}")], *w.ov()],
