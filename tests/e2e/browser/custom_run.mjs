@@ -77,11 +77,18 @@ try {
     // A 4xx is the answer.
     const refused = creates.find((c) => c.status >= 400 && c.status < 500);
     if (refused) throw new Error(`the API refused the run: HTTP ${refused.status} ${refused.body}`);
-    const resubmit = sent === 0 || (creates.length === sent && creates.every((c) => c.status >= 500));
-    if (resubmit && !(await deploymentRuns()).some((r) => !runsBefore.has(r.id))
-        && await submit.isVisible().catch(() => false)) {
-      log(creates.length ? 'server error, submitting again' : 'no request was sent, submitting again');
+    // A loaded server's SQLite can stay locked for a while (503 twice in a row seen in a CI-like run with two test
+    // workers): up to 4 more submits, each only after every earlier one was answered 5xx and no run exists, with a
+    // growing pause.
+    for (let attempt = 1; attempt <= 4; attempt++) {
+      const resubmit = sent === 0 || (creates.length === sent && creates.every((c) => c.status >= 500));
+      if (!(resubmit && !(await deploymentRuns()).some((r) => !runsBefore.has(r.id))
+            && await submit.isVisible().catch(() => false))) break;
+      log(creates.length ? `server error, submitting again (${attempt})` : 'no request was sent, submitting again');
+      await page.waitForTimeout(attempt * 3000);
       await submit.click();
+      await page.waitForTimeout(1000);
+      for (let i = 0; i < 30 && creates.length < sent; i++) await page.waitForTimeout(500);  // its answer
     }
     // the form submitted but the UI did not take us to the run (toast gone or missed): find the run the submit
     // created through the API and open its page
