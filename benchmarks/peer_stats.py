@@ -84,3 +84,47 @@ def max_drawdown(ys: Sequence[float]) -> float:
         peak = max(peak, y)
         worst = max(worst, peak - y)
     return worst
+
+
+def trl_timers(trainer_base, callback_base, teacher, sync=lambda: None):
+    """TRL's `DistillationTrainer` timed from outside, unchanged: a subclass that times its own `_generate` (the
+    student's sampling) and the teacher's `_get_last_hidden_state`, and a `TrainerCallback` that closes each step
+    (`update_s` = the rest). `sync()` waits for the device before a clock is read (a no-op on CPU). Returns
+    `(TimedTrainer, callback, steps)`: `steps` gets one dict per step (gen_s, score_s, tokens, step_s, update_s)."""
+    import time
+
+    cur: dict = {}
+    steps: list[dict] = []
+
+    class TimedTrainer(trainer_base):
+        def _generate(self, prompts):
+            sync()
+            t0 = time.perf_counter()
+            res = super()._generate(prompts)
+            sync()
+            cur["gen_s"] += time.perf_counter() - t0
+            cur["tokens"] += sum(len(c) for c in res[1])
+            return res
+
+        def _get_last_hidden_state(self, unwrapped_model, *a, **k):
+            if unwrapped_model is not teacher:
+                return super()._get_last_hidden_state(unwrapped_model, *a, **k)
+            t0 = time.perf_counter()
+            res = super()._get_last_hidden_state(unwrapped_model, *a, **k)
+            sync()
+            cur["score_s"] += time.perf_counter() - t0
+            return res
+
+    class StepTimer(callback_base):
+        def on_step_begin(self, *_a, **_k):
+            cur.clear()
+            cur.update(gen_s=0.0, score_s=0.0, tokens=0, t0=time.perf_counter())
+
+        def on_step_end(self, *_a, **_k):
+            sync()
+            s = {k: v for k, v in cur.items() if k != "t0"}
+            s["step_s"] = time.perf_counter() - cur["t0"]
+            s["update_s"] = s["step_s"] - s["gen_s"] - s["score_s"]
+            steps.append(s)
+
+    return TimedTrainer, StepTimer(), steps

@@ -227,42 +227,12 @@ def run_trl(args, arm: str, repeat: int) -> dict:
         shuffle_dataset=False, report_to="none", save_strategy="no", eval_strategy="no", logging_steps=10,
         disable_tqdm=True, seed=repeat, dataloader_num_workers=0)
 
-    timings: list[dict] = []
-
-    class Timed(DistillationTrainer):
-        """Timers around TRL's own methods (the student's generation, the teacher's forward); nothing changed."""
-
-        def _generate(self, prompts):
-            t0 = time.perf_counter()
-            res = super()._generate(prompts)
-            cur["gen_s"] += time.perf_counter() - t0
-            cur["tokens"] += sum(len(c) for c in res[1])
-            return res
-
-        def _get_last_hidden_state(self, unwrapped_model, *a, **k):
-            if unwrapped_model is not teacher:
-                return super()._get_last_hidden_state(unwrapped_model, *a, **k)
-            t0 = time.perf_counter()
-            res = super()._get_last_hidden_state(unwrapped_model, *a, **k)
-            cur["score_s"] += time.perf_counter() - t0
-            return res
-
-    cur: dict = {}
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *_a, **_k):
-            cur.clear()
-            cur.update(gen_s=0.0, score_s=0.0, tokens=0, t0=time.perf_counter())
-
-        def on_step_end(self, *_a, **_k):
-            s = {k: v for k, v in cur.items() if k != "t0"}
-            s["step_s"] = time.perf_counter() - cur["t0"]
-            s["update_s"] = s["step_s"] - s["gen_s"] - s["score_s"]
-            timings.append(s)
+    # timers around TRL's own methods (the student's generation, the teacher's forward); nothing changed
+    Timed, step_timer, timings = ps.trl_timers(DistillationTrainer, TrainerCallback, teacher)
 
     trainer = Timed(model=student, teacher_model=teacher, args=targs,
                     train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
-                    callbacks=[StepTimer()])
+                    callbacks=[step_timer])
     prof = None
     if args.profile_run:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-for _p in (ROOT, ROOT / "tests" / "device"):  # mopd_core; gpu_scale_stage beside this file
+for _p in (ROOT, ROOT / "tests" / "device", ROOT / "benchmarks"):  # mopd_core; gpu_scale_stage; peer_stats
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -683,40 +683,9 @@ def check_trl(device, tiny: bool, budget_s: float) -> dict:
         bf16=not tiny, gradient_checkpointing=True, use_liger_kernel=liger, use_cpu=tiny, shuffle_dataset=False,
         report_to="none", save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
         dataloader_num_workers=0)
-    steps: list[dict] = []
-    cur: dict = {}
+    from peer_stats import trl_timers  # benchmarks/: the same timers benchmarks/vs_trl.py puts around TRL
 
-    class Timed(DistillationTrainer):
-        def _generate(self, prompts):
-            sync(device)
-            t0 = time.perf_counter()
-            res = super()._generate(prompts)
-            sync(device)
-            cur["gen_s"] += time.perf_counter() - t0
-            cur["tokens"] += sum(len(c) for c in res[1])
-            return res
-
-        def _get_last_hidden_state(self, unwrapped_model, *a, **k):
-            if unwrapped_model is not teacher:
-                return super()._get_last_hidden_state(unwrapped_model, *a, **k)
-            t0 = time.perf_counter()
-            res = super()._get_last_hidden_state(unwrapped_model, *a, **k)
-            sync(device)
-            cur["score_s"] += time.perf_counter() - t0
-            return res
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *_a, **_k):
-            cur.clear()
-            cur.update(gen_s=0.0, score_s=0.0, tokens=0, t0=time.perf_counter())
-
-        def on_step_end(self, *_a, **_k):
-            sync(device)
-            st = {k: v for k, v in cur.items() if k != "t0"}
-            st["step_s"] = time.perf_counter() - cur["t0"]
-            st["update_s"] = st["step_s"] - st["gen_s"] - st["score_s"]
-            st["tokens_per_s"] = st["tokens"] / st["step_s"]
-            steps.append(st)
+    Timed, step_timer, steps = trl_timers(DistillationTrainer, TrainerCallback, teacher, lambda: sync(device))
 
     size = f"{prompts}×{group} samples × {new} new tokens, {sum(p.numel() for p in student.parameters()) / 1e9:.2f} B"
     res = {"trainer": "trl.DistillationTrainer", "trl": __import__("trl").__version__, "use_vllm": False,
@@ -725,7 +694,7 @@ def check_trl(device, tiny: bool, budget_s: float) -> dict:
     reset_peak(device)
     try:
         trainer = Timed(model=student, teacher_model=teacher, args=targs,
-                        train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[StepTimer()])
+                        train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[step_timer])
         trainer.train()
     except torch.OutOfMemoryError as e:
         res["oom"] = f"out of memory at {size}: {str(e).splitlines()[0][:200]}"
@@ -733,6 +702,8 @@ def check_trl(device, tiny: bool, budget_s: float) -> dict:
         import shutil
 
         shutil.rmtree(out_dir, ignore_errors=True)
+    for st in steps:
+        st["tokens_per_s"] = st["tokens"] / st["step_s"]
     res.update({"steps": steps, "peak_mem_gib": peak_mem(device)})
     if steps:
         last = steps[-1]  # the first step carries the warm-up
