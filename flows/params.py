@@ -40,7 +40,9 @@ def partial_model(model: type[BaseModel], name: str, doc: str) -> type[BaseModel
     shows the field's own type (None is accepted but hidden), so the UI renders a plain input left empty."""
     fields: dict[str, Any] = {}
     for fname, f in model.model_fields.items():
-        default = f.default if f.default is not None and not callable(f.default) else None
+        # a section inside a section (teachers.compat) has a default factory, not a default to show
+        default = (f.default if f.default_factory is None and f.default is not None and not callable(f.default)
+                   else None)
         desc = (f.description or "") + (f" (config default: {default})" if default is not None else "")
         fields[fname] = (Union[f.annotation, SkipJsonSchema[None]],
                          Field(None, description=desc.strip(), json_schema_extra=_no_default))

@@ -379,6 +379,40 @@ class RolloutConfig(_Model):
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
+CompatMode = Literal["fail", "warn", "off"]
+
+
+class CompatConfig(_Model):
+    """The MOPD stage's compatibility pre-flight (teachers vs student, before any compute;
+    `teachers.compat.check_compatibility`). Each check: `fail` stops the stage naming teacher, value and fix; `warn`
+    logs the same line and trains; `off` skips it (its row says so). Not part of any fingerprint."""
+
+    tokenizer: CompatMode = Field("fail", description="Same tokenizer fingerprint as the student (a different one "
+                                  "is reported as 'needs mapping').")
+    chat_template: CompatMode = Field("fail", description="The teacher's chat template renders a probe "
+                                      "conversation like the student's (role markers, generation prompt); with "
+                                      "data.chat.enabled=false no template is rendered and the row is skipped.")
+    eos: CompatMode = Field("fail", description="The teacher's mean log p(stop token) at the student's stop "
+                            "position after the probe rows' reference answers ≥ min_eos_logprob.")
+    determinism: CompatMode = Field("fail", description="The same probe scored twice (local: two forwards; http: "
+                                    "two requests) gives the same log-probs within determinism_tol.")
+    logprob_mode: CompatMode = Field("fail", description="The teacher returns normalised log-probs of its own "
+                                     "distribution: local, the scoring path (train.logprob_impl, with the model's "
+                                     "logit transform) equals log_softmax of its forward within logprob_tol; http, "
+                                     "the top-k log-probs are ≤ 0 and sum to ≤ 1 (not vLLM's logits modes).")
+    temperature: CompatMode = Field("fail", description="teachers.temperature (1 for http teachers: vLLM's "
+                                    "prompt_logprobs ignore it) equals rollout.temperature, so ℓ^old − ℓᵀ compares "
+                                    "distributions at the same temperature.")
+    min_eos_logprob: float = Field(-10.0, lt=0, description="eos: lowest mean teacher log p(stop token) that "
+                                   "passes (nats; -10 ≈ p 4.5e-5).")
+    determinism_tol: float = Field(1e-4, ge=0, description="determinism: largest |Δ log p| between the two "
+                                   "scorings.")
+    logprob_tol: float = Field(1e-3, gt=0, description="logprob_mode: largest |Δ log p| to the forward's "
+                            "log_softmax (local), or excess of the top-k's logsumexp over 0 (http).")
+    probe_rows: int = Field(4, ge=1, description="Held-out prompts per teacher (of the domains it scores) with "
+                            "their reference answers as probe completions.")
+
+
 class TeachersConfig(_Model):
     backend: Literal["local", "http"] = Field("local", description="`local`: in-process scoring; `http`: "
                                               "vLLM OpenAI servers with prompt_logprobs.")
@@ -428,6 +462,9 @@ class TeachersConfig(_Model):
         "`consensus` takes the target of the teacher with the smallest advantage magnitude (docs/objectives.md).")
     conflict_nats: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="teachers.conflict: spread "
                                  "max_k ℓ_k − min_k ℓ_k (nats) above which opposite-sign teachers are in conflict.")
+    compat: CompatConfig = Field(default_factory=CompatConfig, exclude_if=lambda v: v == CompatConfig(),
+                                 description="The MOPD stage's compatibility pre-flight of every teacher against the "
+                                 "student (tokenizer, chat template, EOS, determinism, log-prob mode, temperature).")
 
 
 class TrainConfig(_Model):
@@ -582,6 +619,32 @@ class ExpertRLConfig(PolicyLoopConfig):
 class MOPDConfig(PolicyLoopConfig):
     w_rl: float = Field(0.0, ge=0, description="Weight of the GRPO reward advantage (0 = pure distillation).")
     w_kd: float = Field(1.0, ge=0, description="Weight of the teacher distillation advantage.")
+    # changes which prompts later steps sample, so it is part of the fingerprint — left out of the dump while
+    # None, so configs without it keep their stage fingerprints
+    stop_at_recovery: float | dict[str, float] | None = Field(
+        None, exclude_if=lambda v: v is None, description="End a domain's sampling once its recovery (student − "
+        "SFT) / (expert − SFT) on a mid-training eval (mopd.eval_every) reaches this value (one number for every "
+        "domain, or {domain: value} for those named), each in (0, 1.5]; the stage ends when every gated domain "
+        "has stopped. SFT and expert accuracies come from their stages' records. None = train all steps.")
+
+    @model_validator(mode="after")
+    def _recovery_targets(self) -> "MOPDConfig":
+        for d, v in self.recovery_targets(None).items():
+            if not 0 < v <= 1.5:
+                where = "stop_at_recovery" + (f".{d}" if isinstance(self.stop_at_recovery, dict) else "")
+                raise ValueError(f"{where}={v} is outside (0, 1.5]: recovery is (student − SFT) / (expert − SFT), "
+                                 "1 = the expert's accuracy; give e.g. 0.9")
+        return self
+
+    def recovery_targets(self, domains: list[str] | None) -> dict[str, float]:
+        """{domain: recovery at which its sampling stops}: `stop_at_recovery` as a table over `domains` (one
+        number: every domain; None: none)."""
+        v = self.stop_at_recovery
+        if v is None:
+            return {}
+        if isinstance(v, dict):
+            return dict(v)
+        return {d: float(v) for d in (domains if domains is not None else ["*"])}
 
 
 class EvalConfig(_Model):
@@ -658,6 +721,11 @@ class RecipeConfig(_Model):
             for k in mix or {}:
                 if k not in names:
                     raise ValueError(f"{field_name} names unknown domain '{k}'; known: {sorted(names)}")
+        if isinstance(self.mopd.stop_at_recovery, dict):
+            for k in self.mopd.stop_at_recovery:
+                if k not in names:
+                    raise ValueError(f"mopd.stop_at_recovery names unknown domain '{k}'; known: {sorted(names)} — "
+                                     "name a domain of data.domains or give one number for all")
         for k in self.expert.domains or []:
             if k not in names:
                 raise ValueError(f"expert.domains names unknown domain '{k}'; known: {sorted(names)}")
