@@ -379,13 +379,14 @@ class RolloutConfig(_Model):
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
-CompatMode = Literal["fail", "warn", "off"]
+# "skip", not "off": YAML reads a bare off as false
+CompatMode = Literal["fail", "warn", "skip"]
 
 
 class CompatConfig(_Model):
     """The MOPD stage's compatibility pre-flight (teachers vs student, before any compute;
     `teachers.compat.check_compatibility`). Each check: `fail` stops the stage naming teacher, value and fix; `warn`
-    logs the same line and trains; `off` skips it (its row says so). Not part of any fingerprint."""
+    logs the same line and trains; `skip` does not run it (its row says so). Not part of any fingerprint."""
 
     tokenizer: CompatMode = Field("fail", description="Same tokenizer fingerprint as the student (a different one "
                                   "is reported as 'needs mapping').")
@@ -611,6 +612,10 @@ class PolicyLoopConfig(_Model):
             _check_weights(name, table)
         return self
 
+    def recovery_targets(self, domains: list[str] | None) -> dict[str, float]:
+        """{domain: recovery at which its sampling stops} (`MOPDConfig.stop_at_recovery`; none here)."""
+        return {}
+
 
 class ExpertRLConfig(PolicyLoopConfig):
     domains: list[str] | None = Field(None, description="Domains to train an expert for; None = all.")
@@ -629,6 +634,9 @@ class MOPDConfig(PolicyLoopConfig):
 
     @model_validator(mode="after")
     def _recovery_targets(self) -> "MOPDConfig":
+        if self.stop_at_recovery is not None and not self.eval_every:
+            raise ValueError("stop_at_recovery acts on the mid-training evals, but eval_every=0 (only a final "
+                             "eval); set mopd.eval_every > 0 (e.g. 10)")
         for d, v in self.recovery_targets(None).items():
             if not 0 < v <= 1.5:
                 where = "stop_at_recovery" + (f".{d}" if isinstance(self.stop_at_recovery, dict) else "")

@@ -121,6 +121,27 @@ def check_stage(recipe: RecipeConfig, spec: StageSpec, *, domains: Mapping[str, 
     _check_output_dir(recipe, spec.stage_dir, None if spec.done() else stu)
 
 
+def check_compatibility(recipe: RecipeConfig, router, student: str | Path, domains: Mapping[str, Any],
+                        mappable=None):
+    """The MOPD stage's compatibility pre-flight (`teachers.compat`): every teacher of `router` against the
+    student at `student` on probe rows of `domains`, after the teachers are open and before the stage folder is
+    claimed. Logs the table and each warning; raises `CompatError` (one line per failure, the table on it) when a
+    check set to `fail` failed. Returns the `CompatReport` for the stage's run."""
+    from .models import load_tokenizer
+    from .models.chat import carry_chat_template
+    from .teachers.compat import CompatError, check_compatibility as run_checks
+
+    tok = load_tokenizer(student)
+    carry_chat_template(tok, recipe.data.chat)
+    report = run_checks(router, tok, recipe, domains, devlib.resolve(recipe.runtime.device).torch_device, mappable)
+    log.info("teacher compatibility pre-flight:\n%s", report.markdown().split("\n\n## ")[0])
+    for line in report.warnings():
+        log.warning("%s", line)
+    if report.failures():
+        raise CompatError(report)
+    return report
+
+
 def _is_mopd_free(stage: str) -> bool:
     return stage in ("recipe", "sft", "eval") or stage.startswith("expert-")
 

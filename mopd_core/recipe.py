@@ -22,8 +22,8 @@ from .errors import ConfigError
 from .domains import DomainError, build_domain
 from .models import run_tokenizer
 from .runtime import device as devlib
-from .stages import (StageSpec, base_identity, expert_loop_config, model_ref_id, round_stage, stage_plan, stage_spec,
-                     teacher_roles)
+from .stages import (StageSpec, base_identity, expert_loop_config, model_ref_id, read_stage, round_stage, stage_plan,
+                     stage_spec, teacher_roles)
 # the stage plan's names, where callers holding `recipe` (the CLI, benchmarks, tests) have always found them
 from .stages import (TEACHER_RESULT_FIELDS, behaviour_fingerprint_part, data_fingerprint_part,  # noqa: F401
                      expert_fingerprint, last_student_label, mopd_fingerprint, parse_stage, round_dir, round_prefix,
@@ -41,6 +41,8 @@ class StageOutput:
     wall_s: float = 0.0
     history: list = field(default_factory=list)
     teachers: dict = field(default_factory=dict)  # mopd, http backend: the teachers' manifest at the stage's end
+    compat: object = None  # mopd with teachers: the compatibility pre-flight's `teachers.compat.CompatReport`
+    recovery: dict = field(default_factory=dict)  # mopd: recovery per domain at the final eval (`train.roles`)
 
 
 @dataclass
@@ -173,6 +175,49 @@ def mopd_spec(recipe: RecipeConfig, student_init: str | Path, teachers: Mapping[
     return stage_spec(recipe, round_stage("mopd", rnd), ids, name=stage_name)
 
 
+def _finished_eval(folder: Path) -> dict | None:
+    """The final eval of the finished stage in `folder`, or None."""
+    info = read_stage(folder)
+    return info.get("eval") or None if info and info.get("status") == "done" else None
+
+
+def recovery_references(recipe: RecipeConfig, student_init: str | Path, teachers: Mapping[str, str | Path],
+                        rnd: int = 1):
+    """The accuracies a MOPD stage's recovery is measured against, from the stages' records: each domain's
+    expert (the teacher's own stage folder when it is a `final/` dir, else the recipe's expert stage of round
+    `rnd`) and the SFT model (the recipe's sft stage; in round 1 also the student's own folder). With
+    `mopd.stop_at_recovery` a gated domain without both is refused here, before any compute."""
+    from .train.roles import RecoveryRefs
+
+    refs = RecoveryRefs()
+    plan = {s.stage: s for s in stage_plan(recipe)}
+    init = Path(student_init)
+    for where in ([plan["sft"].stage_dir] if "sft" in plan else []) + ([init.parent] if rnd == 1 and
+                                                                      init.name == "final" else []):
+        ev = _finished_eval(where)
+        if ev is not None:
+            refs.sft, refs.sources["sft"] = dict(ev), str(where)
+            break
+    for d in recipe.domain_names():
+        spec = plan.get(round_stage(f"expert:{d}", rnd))
+        t = Path(teachers[d]) if d in teachers else None
+        for where in ([t.parent] if t is not None and t.name == "final" else []) + ([spec.stage_dir] if spec else []):
+            ev = _finished_eval(where)
+            if ev is not None and d in ev:
+                refs.expert[d], refs.sources[f"expert-{d}"] = dict(ev[d]), str(where)
+                break
+    missing = [d for d in recipe.mopd.recovery_targets(recipe.domain_names()) if d not in refs.domains]
+    if missing:
+        raise ConfigError(f"mopd.stop_at_recovery gates domain '{missing[0]}', but no finished SFT and expert-"
+                          f"{missing[0]} stage records its eval (looked in {refs.sources.get('sft', 'the sft stage')} "
+                          "and the expert's folder) — run the recipe's sft and expert stages first, or drop the "
+                          "domain from mopd.stop_at_recovery")
+    absent = [d for d in recipe.domain_names() if d not in refs.domains]
+    if absent:
+        log.info("recovery not logged for %s: no finished SFT / expert stage record with its eval", absent)
+    return refs
+
+
 def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
                     stage_name: str = "student", rnd: int = 1) -> dict | None:
     """The record of this mopd stage when its folder (or the one set aside for its fingerprint) already holds it
@@ -206,6 +251,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                            time.perf_counter() - t0, [])
     preflight.check_stage(recipe, spec, student=student_init, teachers=teachers, domains=domains,
                           endpoints=endpoints)
+    refs = recovery_references(recipe, student_init, teachers, rnd)  # stop_at_recovery without them: fails here
     trainer = policy_trainer(recipe, recipe.mopd, spec.label)
     local = None
     if recipe.mopd.w_kd > 0 and recipe.teachers.placement == "workers":  # on the trainers' devices
@@ -216,16 +262,20 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     ts = (open_teachers(recipe, teachers, student_init, spec.stage_dir, endpoints=endpoints, local=local)
           if recipe.mopd.w_kd > 0 else None)
     try:
+        # tokenizer, chat template, EOS, determinism, log-prob mode, temperature: before the folder is claimed
+        compat = preflight.check_compatibility(recipe, ts.router, student_init, domains) if ts is not None else None
         res = run_policy_loop(stage=spec.label, loop_cfg=recipe.mopd, recipe=recipe, init_path=student_init,
                               domains=domains, eval_domains=domains, stage_dir=spec.stage_dir,
                               fingerprint=spec.fingerprint, teachers=ts.router if ts is not None else None,
-                              progress=progress, trainer=trainer)
+                              progress=progress, trainer=trainer, recovery=refs)
         manifest = ts.manifest() if ts is not None else {}
     finally:
         if ts is not None:
             ts.close()  # the scorers' clients; the servers only when this stage started them
+    if compat is not None:
+        (spec.stage_dir / "compat.md").write_text(compat.markdown())
     return StageOutput(spec.label, res.final_dir, spec.stage_dir, res.eval, time.perf_counter() - t0, res.history,
-                       teachers=manifest)
+                       teachers=manifest, compat=compat, recovery=res.recovery)
 
 
 def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool = True) -> StageOutput:

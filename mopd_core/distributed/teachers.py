@@ -69,6 +69,7 @@ class RayTeacher(Teacher):
                  offload: bool, temperature: float, batch_size: int | None, logprob_impl: str) -> None:
         self.host, self.name, self.path, self.index, self.count = host, name, str(path), index, count
         self._args = (dtype, offload, temperature, batch_size, logprob_impl)
+        self.temperature = float(temperature)
         self.fingerprint = tokenizer_fingerprint(load_tokenizer(path))  # the router's pre-flight, before any actor
         self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0}
         self.actor = None

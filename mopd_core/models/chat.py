@@ -128,6 +128,13 @@ class PromptFormatter:
         msgs = self.messages(item)  # chat off: checks that the prompt is a string
         return prompt_of(item) if msgs is None else self._apply(msgs, tokenize=False)
 
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """`messages` (a whole conversation, or a prompt) rendered as text by the template the run uses (the
+        compatibility pre-flight compares it with each teacher's)."""
+        kw = self._template_kw()
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **kw)
+
     def ids(self, item: Any) -> list[int]:
         """The prompt's token ids (a fresh list: callers may keep or change it)."""
         return self.batch_ids([item])[0]

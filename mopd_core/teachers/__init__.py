@@ -58,6 +58,7 @@ class Teacher:
     scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)
     gives_hidden = False  # `hidden(batch, device)`: final hidden states and lm_head (kd_loss=full_jsd)
     param_bytes = 0     # bytes of those weights
+    temperature = 1.0   # the softmax temperature of its log-probs (the compatibility pre-flight compares it)
 
     @property
     def resident(self) -> bool:
@@ -84,6 +85,26 @@ class Teacher:
     def placement(self) -> dict | None:
         """Where its weights run when that is another process of this stage (a training worker), else None."""
         return None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    chat_template_kwargs: dict | None = None) -> str | None:
+        """`messages` rendered as text by the teacher's own chat template (the compatibility pre-flight compares it
+        with the student's); None when it has none. A scorer that cannot reach its template raises
+        NotImplementedError (the pre-flight's row then says so)."""
+        raise NotImplementedError
+
+    def logprob_mode_gap(self, batch: RolloutBatch) -> tuple[float, str]:
+        """How far its returned numbers are from normalised log-probs (the pre-flight's `logprob_mode` check), and
+        what was compared. Here: its top-5 at every real position must be ≤ 0 and sum to ≤ 1 — the largest of
+        max(logsumexp(top-5), max log p) over the positions (≤ 0 for log-probs; a server in vLLM's logits modes
+        returns unnormalised numbers)."""
+        if not self.scores_top_k:
+            raise NotImplementedError
+        sc = self.score(batch, 5)
+        m = batch.completion_mask.bool().to(sc.logp.device)
+        lse = torch.logsumexp(sc.topk_logp.float(), -1)
+        gap = torch.maximum(lse, sc.topk_logp.float().amax(-1))[m]
+        return (float(gap.max()) if gap.numel() else 0.0), "logsumexp of its top-5 log-probs (≤ 0)"
 
     def close(self) -> None:
         """Release what the scorer holds in this process; a server it talks to is not touched."""
@@ -145,6 +166,25 @@ class LocalTeacher(Teacher):
         self.stats["seconds"] += time.perf_counter() - t0
         self.stats["tokens"] += int(batch.completion_mask.sum())
         self.stats["calls"] += 1
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    chat_template_kwargs: dict | None = None) -> str | None:
+        if not self.tokenizer.chat_template:
+            return None
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **(chat_template_kwargs or {}))
+
+    @torch.no_grad()
+    def logprob_mode_gap(self, batch: RolloutBatch) -> tuple[float, str]:
+        """The scoring path (train.logprob_impl; chunked applies the logit transform read from the model's config,
+        `models.logit_transform`) against log_softmax(forward logits / τ) of the model's own forward: a family
+        whose forward transforms its logits in a way the config does not say (or the other way round) differs."""
+        got = self.score(batch).logp
+        ref = score_completions(self.model, batch, self.temperature, impl="full", micro_batch_size=self.batch_size)
+        m = batch.completion_mask.bool()
+        gap = (got - ref.logp).abs()[m]
+        return (float(gap.max()) if gap.numel() else 0.0), (f"max |Δ log p| of the {self.logprob_impl} scoring path "
+                                                            "vs log_softmax of the model's forward")
 
     @torch.no_grad()
     def hidden(self, batch: RolloutBatch, device) -> tuple[TeacherScore, torch.Tensor, TeacherHead]:

@@ -210,6 +210,19 @@ class HttpTeacher(Teacher):
                              f"{want[i:i + 3]}; {len(got)} vs {len(want)} ids): teachers must share the student's "
                              "tokenizer")
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    chat_template_kwargs: dict | None = None) -> str | None:
+        """The server's own rendering (its chat template, or its --chat-template): vLLM's `/tokenize` with
+        `messages`, then `/detokenize`. None when the server renders no template (it answers 4xx)."""
+        try:
+            ids = self._post("/tokenize", {"model": self.model, "messages": messages,
+                                           "add_generation_prompt": add_generation_prompt,
+                                           **({"chat_template_kwargs": chat_template_kwargs}
+                                              if chat_template_kwargs else {})})["tokens"]
+        except TeacherRequestError:
+            return None
+        return str(self._post("/detokenize", {"model": self.model, "tokens": list(ids)})["prompt"])
+
     def check_max_len(self, seq_len: int) -> None:
         """Every sequence is scored whole plus one generated token: max-model-len must be > seq_len."""
         if self.max_model_len is not None and seq_len + 1 > self.max_model_len:

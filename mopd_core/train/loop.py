@@ -37,7 +37,7 @@ from .checkpoint import (StageStateError, checkpoint_dirs, checkpoint_step, clai
 from . import kd
 from . import timeline
 from .progress import StageProgress
-from .roles import Roles, StageContext, build_roles, param_counts
+from .roles import RecoveryRefs, Roles, StageContext, build_roles, param_counts
 from .roles.source import sample_prompts
 from .roles.updater import SHARDED_OPTIMIZER, PolicyTrainer
 from .update import enable_gradient_checkpointing, lr_lambda, policy_update, recompute_behaviour_logp
@@ -56,6 +56,7 @@ class LoopResult:
     history: list[dict] = field(default_factory=list)
     resumed_from: int = 0
     stage_dir: Path | None = None
+    recovery: dict[str, float] = field(default_factory=dict)  # MOPD: recovery per domain at the final eval
 
 
 def _section(loop_cfg: PolicyLoopConfig) -> str:
@@ -172,21 +173,25 @@ def _group_stats(values: torch.Tensor, groups: list[str], prefix: str) -> dict[s
 def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConfig, init_path: str | Path,
                     domains: Mapping[str, object], eval_domains: Mapping[str, object], stage_dir: str | Path,
                     fingerprint: str, teachers=None, on_step: Callable[[int, dict], None] | None = None,
-                    progress: bool = True, trainer: PolicyTrainer | None = None) -> LoopResult:
+                    progress: bool = True, trainer: PolicyTrainer | None = None,
+                    recovery: RecoveryRefs | None = None) -> LoopResult:
     """Run (or resume, or reuse) one on-policy stage. `domains` are the prompt sources of training,
     `eval_domains` those reported at eval time; `teachers` a TeacherRouter (None for expert RL); `trainer` runs
-    the update elsewhere (many devices; this process keeps a copy of the weights for rollout and eval). The loop
+    the update elsewhere (many devices; this process keeps a copy of the weights for rollout and eval);
+    `recovery`: the SFT and expert accuracies recovery is measured against (MOPD; None: not logged). The loop
     closes the trainer when it ends."""
     stage_dir = Path(stage_dir)
     info = read_stage(stage_dir)
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
-        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
+        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
+                          _final_recovery(info))
     check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
     try:
         ctx = _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage_dir, fingerprint,
                           teachers)
         if isinstance(ctx, LoopResult):  # brought back from aside
             return ctx
+        ctx.recovery_refs = recovery
         for path in (ctx.metrics_path, ctx.timeline_path, stage_dir / "phases.jsonl"):
             _truncate_metrics(path, ctx.start)  # a resumed run's rows after its checkpoint go
         roles = build_roles(ctx, trainer)
@@ -212,7 +217,8 @@ def _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage
     mix = recipe.mix_weights(loop_cfg, _section(loop_cfg), list(domains))
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
-        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir)
+        return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
+                          _final_recovery(info))
     ckpts = checkpoint_dirs(stage_dir)
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
         raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "
@@ -229,7 +235,7 @@ def _run_steps(ctx: StageContext, r: Roles, on_step, progress: bool) -> list[dic
     history: list[dict] = []
     bar = StageProgress(ctx.stage, ctx.cfg.steps, ctx.start, enabled=progress)
     try:
-        for step in range(ctx.start, ctx.cfg.steps):
+        for step in r.recovery.steps(ctx.start, ctx.cfg.steps, ctx.mix):  # ends early once all domains recovered
             t_step = time.perf_counter()
             r.phases.begin_step(step + 1)
             p, m = r.source.take(step)  # sampled and scored (rewards, teachers)
@@ -315,9 +321,11 @@ def _evaluate(ctx: StageContext, r: Roles) -> dict:
 def _log_step(ctx: StageContext, r: Roles, done: int, m: dict, history: list, on_step, bar) -> None:
     """Eval every `eval_every` steps (not the last: the stage's final eval follows), then the row out."""
     if ctx.cfg.eval_every and done % ctx.cfg.eval_every == 0 and done < ctx.cfg.steps:
-        for d, res in _evaluate(ctx, r).items():
+        scores = _evaluate(ctx, r)
+        for d, res in scores.items():
             for k, v in res.items():
                 m[f"eval/{d}/{k}"] = v
+        m.update(r.recovery.observe(done, scores))  # recovery/<domain>; a recovered domain stops being sampled
     row = {"step": done, **m}
     history.append(row)
     with open(ctx.metrics_path, "a") as f:
@@ -335,6 +343,7 @@ def _finish(ctx: StageContext, r: Roles, history: list[dict]) -> LoopResult:
     final_dir = save_pretrained(r.model, ctx.tokenizer, ctx.stage_dir / "final")
     r.updater.checkpoint(ctx.cfg.steps, ctx.tokenizer)
     info = read_stage(ctx.stage_dir) or {}
+    info.update(r.recovery.record(last_eval, history[-1]["step"] if history else ctx.start))
     info.update({"status": "done", "final_dir": str(final_dir), "eval": last_eval, "steps": ctx.cfg.steps,
                  "teacher_stats": ctx.teachers.stats() if ctx.teachers is not None else {},
                  "placement": {"mode": ctx.recipe.runtime.placement,
@@ -344,7 +353,13 @@ def _finish(ctx: StageContext, r: Roles, history: list[dict]) -> LoopResult:
         n_params, n_trainable = param_counts(r.model)
         info["lora"] = {**lora.model_dump(mode="json"), "trainable_params": n_trainable, "total_params": n_params}
     write_stage(ctx.stage_dir, info)
-    return LoopResult(final_dir, last_eval, history, ctx.start, ctx.stage_dir)
+    return LoopResult(final_dir, last_eval, history, ctx.start, ctx.stage_dir, _final_recovery(info))
+
+
+def _final_recovery(info: dict | None) -> dict[str, float]:
+    """Recovery per domain at a finished stage's final eval (its record), finite values only."""
+    rec = ((info or {}).get("recovery") or {}).get("final") or {}
+    return {d: v for d, v in rec.items() if math.isfinite(v)}
 
 
 def _teacher_metrics(routed, batch: RolloutBatch, mask: torch.Tensor) -> dict[str, float]:

@@ -6,6 +6,8 @@
     scorer      rewards + the teachers' signal               (scorer.Scorer)
     objective   advantage and loss terms                     (objective.RewardObjective and its kin)
     updater     who updates and holds the optimizer          (updater.LocalUpdater | updater.RemoteUpdater)
+    recovery    recovery per domain at each eval, and the    (recovery.RecoveryGate)
+                gate that stops sampling a recovered domain
 
 The loop (`train.loop`) then reads as sample → score → advantage → update → log/checkpoint, with no mode flags.
 """
@@ -27,7 +29,9 @@ from ...runtime.phases import PhaseScheduler, check_colocated_fit, fsdp_gathered
 from ..pipeline import AsyncPipeline
 from ..update import enable_gradient_checkpointing
 from .context import StageContext
+from ...stages.folder import read_metrics
 from .objective import Advantage, RewardObjective, build_objective
+from .recovery import RecoveryGate, RecoveryRefs
 from .scorer import Scorer
 from .source import AsyncSource, Generator, InlineSource
 from .updater import LocalUpdater, PolicyTrainer, RemoteUpdater
@@ -46,6 +50,7 @@ class Roles:
     objective: RewardObjective
     scorer: Scorer
     source: InlineSource | AsyncSource
+    recovery: RecoveryGate
 
     def close(self) -> None:
         """Stop the background work, put the optimizer back, release the engine's device memory."""
@@ -131,17 +136,21 @@ def build_roles(ctx: StageContext, trainer: PolicyTrainer | None) -> Roles:
                             teachers=ctx.teachers, placement=ctx.recipe.runtime.placement,
                             events_path=ctx.stage_dir / "phases.jsonl")
     objective = build_objective(ctx)
+    gate = RecoveryGate(ctx.recovery_refs, ctx.cfg.recovery_targets(ctx.names), ctx.names)
+    gate.restore(read_metrics(ctx.metrics_path))  # a resumed stage: the domains stopped before its checkpoint
     if ctx.recipe.runtime.placement == "async":  # the pipeline's threads score: no per-teacher phase turns
         scorer = Scorer(ctx, model, objective, engine.stop_ids())
         ac = ctx.recipe.async_
-        pipeline = AsyncPipeline(sync=sync, generate=Generator(ctx, engine), score=scorer.score, start=ctx.start,
+        pipeline = AsyncPipeline(sync=sync, generate=Generator(ctx, engine, weights=gate.mix), score=scorer.score,
+                                 start=ctx.start,
                                  steps=ctx.cfg.steps, max_staleness=ac.max_staleness, queue_size=ac.queue_size,
                                  timeout_s=ac.timeout_s).start_threads()
         source = AsyncSource(ctx, pipeline, model)
     else:
         scorer = Scorer(ctx, model, objective, engine.stop_ids(), visit=phases.teacher)
-        source = InlineSource(Generator(ctx, engine, phases.rollout), scorer)
-    return Roles(model, updater, engine, sync, phases, objective, scorer, source)
+        source = InlineSource(Generator(ctx, engine, phases.rollout, weights=gate.mix), scorer)
+    return Roles(model, updater, engine, sync, phases, objective, scorer, source, gate)
 
 
-__all__ = ["Advantage", "Roles", "StageContext", "build_roles", "load_policy", "param_counts"]
+__all__ = ["Advantage", "RecoveryGate", "RecoveryRefs", "Roles", "StageContext", "build_roles", "load_policy",
+           "param_counts"]

@@ -33,6 +33,7 @@ class StageContext:
     start: int = 0                           # the step resumed from (0: a fresh stage)
     ckpts: list[Path] = field(default_factory=list)
     state: dict = field(default_factory=dict)  # the last checkpoint's loop state (optimizer, scheduler, step)
+    recovery_refs: Any = None                # MOPD: SFT and expert accuracies (`roles.recovery.RecoveryRefs`)
     clock: timeline.Clock = field(default_factory=timeline.Clock)
 
     @property

@@ -37,14 +37,16 @@ class Generator:
     """The step's prompts and samples — all randomness from (seed, stage, step). `phase(step)`: the context the
     generation runs in (the phase scheduler's rollout phase, which hands the weights over first)."""
 
-    def __init__(self, ctx: StageContext, engine, phase=None) -> None:
+    def __init__(self, ctx: StageContext, engine, phase=None, weights=None) -> None:
         self.ctx, self.engine = ctx, engine
         self.phase = phase or (lambda step: contextlib.nullcontext())
+        # the mix weights now: the recovery gate's (a stopped domain's weight is 0), else the stage's
+        self.weights = weights or (lambda mix: mix)
 
     def __call__(self, step: int) -> Produced:
         ctx, ro = self.ctx, self.ctx.recipe.rollout
         rng = ctx.step_rng(step)
-        prompts = sample_prompts(ctx.domains, ctx.mix, ctx.cfg.prompts_per_step, rng)
+        prompts = sample_prompts(ctx.domains, self.weights(ctx.mix), ctx.cfg.prompts_per_step, rng)
         examples = [e for e in prompts for _ in range(ctx.cfg.group_size)]
         gen = torch.Generator(device=ctx.device).manual_seed(rng.getrandbits(63))
         t0, c0 = time.perf_counter(), ctx.clock.now()
