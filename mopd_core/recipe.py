@@ -218,6 +218,19 @@ def recovery_references(recipe: RecipeConfig, student_init: str | Path, teachers
     return refs
 
 
+def recovery_of(recipe: RecipeConfig, accuracy: Mapping[str, Mapping], row: str) -> dict[str, float]:
+    """Recovery of the evaluation row `row` (a student, the champion) against the same evaluation's `sft` row and
+    the last round's expert rows, per domain that has both, and `total` (`evaluation.recovery`); {} when `row` or
+    `sft` was not evaluated."""
+    from .evaluation import recovery
+
+    experts = {d: stage_label(round_stage(f"expert:{d}", recipe.rounds)) for d in recipe.domain_names()}
+    experts = {d: label for d, label in experts.items() if label in accuracy}
+    if row not in accuracy or "sft" not in accuracy or not experts:
+        return {}
+    return recovery(accuracy, row, "sft", experts, domains=list(experts))
+
+
 def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
                     stage_name: str = "student", rnd: int = 1) -> dict | None:
     """The record of this mopd stage when its folder (or the one set aside for its fingerprint) already holds it

@@ -3,6 +3,7 @@ the champion comparison of the nightly reproduction."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -211,11 +212,16 @@ def compare_to_champion(cfg, parent_run_id: str, accuracy: dict, student_ref: st
     from prefect.artifacts import create_table_artifact
 
     from mopd_core.evaluation import domain_value
+    from mopd_core.recipe import recovery_of
 
     logger = get_run_logger()
     name, version, _ = tracking.parse_model_uri(student_ref) if tracking.is_model_uri(student_ref) else (
         None, None, None)
     new = {d: domain_value(r) for d, r in accuracy[student_label].items()}
+    # recovery (x − SFT) / (expert − SFT) against this evaluation's sft and expert rows, beside the accuracy
+    rec = {"student": recovery_of(cfg, accuracy, student_label), "champion": recovery_of(cfg, accuracy, "champion")}
+    tracking.log_metric_rows(parent_run_id, [{"step": 0, **{f"recovery/{who}/{d}": v for who, r in rec.items()
+                                                            for d, v in r.items()}}])
     if champion_ref is None or "champion" not in accuracy:
         deltas, bad = {}, []
         logger.info("no %s@%s yet: the new student becomes it", tracking.registered_name(cfg.name, student_label),
@@ -225,7 +231,9 @@ def compare_to_champion(cfg, parent_run_id: str, accuracy: dict, student_ref: st
         deltas, bad = tracking.champion_deltas(new, old, tolerance)
         create_table_artifact(
             table=[{"domain": d, "student": round(100 * new[d], 2), "champion": round(100 * old[d], 2),
-                    "delta_points": round(100 * dv, 2), "ok": dv >= -tolerance} for d, dv in deltas.items()],
+                    "delta_points": round(100 * dv, 2), "ok": dv >= -tolerance,
+                    "student_recovery": _ratio(rec["student"].get(d)),
+                    "champion_recovery": _ratio(rec["champion"].get(d))} for d, dv in deltas.items()],
             key=artifact_key(cfg.name, "champion-deltas"), description=f"student vs {champion_ref}")
         tracking.log_metric_rows(parent_run_id, [{"step": 0, **{f"champion_delta/{d}": v
                                                                 for d, v in deltas.items()}}])
@@ -238,4 +246,9 @@ def compare_to_champion(cfg, parent_run_id: str, accuracy: dict, student_ref: st
     if promote and name:
         tracking.set_alias(name, alias, version)
         logger.info("%s is now @%s", student_ref, alias)
-    return {"deltas": deltas, "champion": champion_ref, "promoted": bool(promote and name)}
+    return {"deltas": deltas, "champion": champion_ref, "promoted": bool(promote and name), "recovery": rec}
+
+
+def _ratio(v: float | None) -> float | None:
+    """A recovery for a table cell: 3 decimals; None where it is undefined (no expert row, expert = SFT)."""
+    return round(v, 3) if v is not None and math.isfinite(v) else None

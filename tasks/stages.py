@@ -5,6 +5,7 @@ with lineage tags) and Prefect artifacts (summary + MLflow link)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,17 @@ def publish_timeline(label: str, recipe_name: str, run_id: str, stage_dir: Path)
             + " (`overlap.png` in the MLflow run)")
 
 
+def log_compat(run_id: str, report) -> None:
+    """The compatibility pre-flight's table (`compat.md`: rows and both sides' renderings of the probe;
+    `compat.json`) in the stage's run, and its failure count as a metric; nothing without a report."""
+    if report is None:
+        return
+    tracking.log_text(run_id, report.markdown(), "compat.md")
+    tracking.log_text(run_id, json.dumps(report.to_json(), indent=2), "compat.json")
+    tracking.log_metric_rows(run_id, [{"step": 0, "compat/failures": len(report.failures()),
+                                       "compat/warnings": len(report.warnings())}])
+
+
 def as_ref(result: Mapping[str, Any]) -> dict:
     """A stage result → the reference the next stage takes."""
     return {"ref": result["ref"], "path": result["path"]}
@@ -227,18 +239,29 @@ def mopd_task(stage: str, cfg, inputs: dict, parent_run_id: str | None = None, r
     external endpoints. Not part of the cache key (ports and pids are no identity of the student)."""
     from mopd_core import recipe as R
 
+    from mopd_core.teachers.compat import CompatError
+
     live = live_teachers(endpoints)
     spec = spec_of(stage, cfg, inputs)
+    failed: dict = {}  # the compatibility report of a stage its pre-flight stopped
 
     def engine(local: dict):
-        return R.mopd_stage(cfg, local["init"], teacher_roles(local), progress=True,
-                            endpoints=live if live is not None else endpoints, rnd=spec.round)
+        try:
+            return R.mopd_stage(cfg, local["init"], teacher_roles(local), progress=True,
+                                endpoints=live if live is not None else endpoints, rnd=spec.round)
+        except CompatError as e:
+            failed["compat"] = e.report
+            raise
 
     def on_end(run_id: str, out) -> None:
         manifest = (out.teachers if out is not None else None) or (live.manifest() if live is not None else None)
         counts = record_restarts(run_id, manifest)
         if any(counts.values()):
             get_run_logger().warning("teacher server restarts during the stage: %s", counts)
+        log_compat(run_id, out.compat if out is not None else failed.get("compat"))
+        if out is not None and out.recovery:  # the final eval's (the mid-training ones stream with the metrics)
+            tracking.log_metric_rows(run_id, [{"step": cfg.mopd.steps, **{f"recovery/{d}": v
+                                                                          for d, v in out.recovery.items()}}])
 
     return _run_stage(spec=spec, cfg=cfg, inputs=inputs, parent_run_id=parent_run_id, refresh=refresh,
                       registered=tracking.registered_name(cfg.name, spec.label), engine=engine,

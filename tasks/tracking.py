@@ -290,6 +290,8 @@ _PLOTS = {
     "async_busy": ("async/", "async: busy (producers) / idle (trainer) fraction per step", "_frac"),
     "async_staleness": ("async/staleness_", "async: weight versions behind the trainer"),
     "loss": ("loss", "loss"),
+    # MOPD: (student − SFT) / (expert − SFT) per domain at each mid-training eval
+    "recovery": ("recovery/", "recovery per domain (student − SFT) / (expert − SFT)"),
 }
 
 
