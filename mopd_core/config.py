@@ -384,8 +384,10 @@ CompatMode = Literal["fail", "warn", "skip"]
 
 
 class CompatConfig(_Model):
-    """The MOPD stage's compatibility pre-flight (teachers vs student, before any compute;
-    `teachers.compat.check_compatibility`). Each check: `fail` stops the stage naming teacher, value and fix; `warn`
+    """The MOPD stage's compatibility pre-flight of every teacher against the student (tokenizer, chat template,
+    EOS, determinism, log-prob mode, temperature), after the teachers are open and before any compute; its table
+    goes to `<stage>/compat.md` and the stage's MLflow run. Each check: `fail` stops the stage naming teacher,
+    value and fix; `warn`
     logs the same line and trains; `skip` does not run it (its row says so). Not part of any fingerprint."""
 
     tokenizer: CompatMode = Field("fail", description="Same tokenizer fingerprint as the student (a different one "
@@ -464,8 +466,7 @@ class TeachersConfig(_Model):
     conflict_nats: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="teachers.conflict: spread "
                                  "max_k ℓ_k − min_k ℓ_k (nats) above which opposite-sign teachers are in conflict.")
     compat: CompatConfig = Field(default_factory=CompatConfig, exclude_if=lambda v: v == CompatConfig(),
-                                 description="The MOPD stage's compatibility pre-flight of every teacher against the "
-                                 "student (tokenizer, chat template, EOS, determinism, log-prob mode, temperature).")
+                                 description="What the compatibility pre-flight checks and how strictly.")
 
 
 class TrainConfig(_Model):

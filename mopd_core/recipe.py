@@ -249,7 +249,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     `StageOutput.teachers` is the teachers' manifest at the end (http: url, model, restarts, …). `rnd` ≥ 2: the
     student of that round, in `<run_dir>/r<rnd>/<stage_name>`, labelled `r<rnd>-<stage_name>`."""
     from .teachers.lifecycle import open_teachers
-    from .train.loop import run_policy_loop
+    from .train.loop import final_recovery, run_policy_loop
 
     t0 = time.perf_counter()
     recipe.check_teacher_ids(teachers)
@@ -261,7 +261,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
         log.info("%s: already finished (%s steps, fingerprint %s) in %s — reused, no teachers started", spec.label,
                  done.get("steps"), spec.fingerprint, spec.stage_dir)
         return StageOutput(spec.label, spec.stage_dir / "final", spec.stage_dir, done.get("eval", {}),
-                           time.perf_counter() - t0, [])
+                           time.perf_counter() - t0, [], recovery=final_recovery(done))
     preflight.check_stage(recipe, spec, student=student_init, teachers=teachers, domains=domains,
                           endpoints=endpoints)
     refs = recovery_references(recipe, student_init, teachers, rnd)  # stop_at_recovery without them: fails here

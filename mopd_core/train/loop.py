@@ -184,7 +184,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     info = read_stage(stage_dir)
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
-                          _final_recovery(info))
+                          final_recovery(info))
     check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
     try:
         ctx = _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage_dir, fingerprint,
@@ -218,7 +218,7 @@ def _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
-                          _final_recovery(info))
+                          final_recovery(info))
     ckpts = checkpoint_dirs(stage_dir)
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
         raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "
@@ -353,10 +353,10 @@ def _finish(ctx: StageContext, r: Roles, history: list[dict]) -> LoopResult:
         n_params, n_trainable = param_counts(r.model)
         info["lora"] = {**lora.model_dump(mode="json"), "trainable_params": n_trainable, "total_params": n_params}
     write_stage(ctx.stage_dir, info)
-    return LoopResult(final_dir, last_eval, history, ctx.start, ctx.stage_dir, _final_recovery(info))
+    return LoopResult(final_dir, last_eval, history, ctx.start, ctx.stage_dir, final_recovery(info))
 
 
-def _final_recovery(info: dict | None) -> dict[str, float]:
+def final_recovery(info: dict | None) -> dict[str, float]:
     """Recovery per domain at a finished stage's final eval (its record), finite values only."""
     rec = ((info or {}).get("recovery") or {}).get("final") or {}
     return {d: v for d, v in rec.items() if math.isfinite(v)}
