@@ -16,6 +16,8 @@ seconds, names the field or file and the fix, and leaves no stage folder behind.
   of them, named by file and row; synthetic domains: the eval set and a sample of training prompts);
 - the output dir can be written (nothing in the way is a regular file, files can be created there) and its disk
   has the space a checkpoint needs: parameter bytes × 3 (weights + AdamW's two moments) + a margin;
+- MOPD, once the teachers are open (`check_compatibility`, `teachers/compat.py`): every teacher's tokenizer, chat
+  template, EOS, determinism, log-prob mode and temperature against the student, one line per failure;
 - LoRA (`expert.lora` / `mopd.lora`): the memory estimate gives gradients and AdamW state to the adapter
   parameters only (counted on the model built on the meta device), and a `target_modules` that matches no module
   of the model fails here.
