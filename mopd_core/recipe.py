@@ -175,9 +175,10 @@ def mopd_spec(recipe: RecipeConfig, student_init: str | Path, teachers: Mapping[
     return stage_spec(recipe, round_stage("mopd", rnd), ids, name=stage_name)
 
 
-def _finished_eval(folder: Path) -> dict | None:
-    """The final eval of the finished stage in `folder`, or None."""
-    info = read_stage(folder)
+def _finished_eval(where: Path | StageSpec) -> dict | None:
+    """The final eval of a finished stage: the record beside a model (`where` = its stage folder, whatever config
+    made it), or the record of a planned stage when it is finished with its fingerprint."""
+    info = where.done() if isinstance(where, StageSpec) else read_stage(where)
     return info.get("eval") or None if info and info.get("status") == "done" else None
 
 
@@ -192,19 +193,20 @@ def recovery_references(recipe: RecipeConfig, student_init: str | Path, teachers
     refs = RecoveryRefs()
     plan = {s.stage: s for s in stage_plan(recipe)}
     init = Path(student_init)
-    for where in ([plan["sft"].stage_dir] if "sft" in plan else []) + ([init.parent] if rnd == 1 and
-                                                                      init.name == "final" else []):
+    for where in ([plan["sft"]] if "sft" in plan else []) + ([init.parent] if rnd == 1 and init.name == "final"
+                                                              else []):
         ev = _finished_eval(where)
         if ev is not None:
-            refs.sft, refs.sources["sft"] = dict(ev), str(where)
+            refs.sft, refs.sources["sft"] = dict(ev), str(where.stage_dir if isinstance(where, StageSpec) else where)
             break
     for d in recipe.domain_names():
         spec = plan.get(round_stage(f"expert:{d}", rnd))
         t = Path(teachers[d]) if d in teachers else None
-        for where in ([t.parent] if t is not None and t.name == "final" else []) + ([spec.stage_dir] if spec else []):
+        for where in ([t.parent] if t is not None and t.name == "final" else []) + ([spec] if spec else []):
             ev = _finished_eval(where)
             if ev is not None and d in ev:
-                refs.expert[d], refs.sources[f"expert-{d}"] = dict(ev[d]), str(where)
+                folder = where.stage_dir if isinstance(where, StageSpec) else where
+                refs.expert[d], refs.sources[f"expert-{d}"] = dict(ev[d]), str(folder)
                 break
     missing = [d for d in recipe.mopd.recovery_targets(recipe.domain_names()) if d not in refs.domains]
     if missing:

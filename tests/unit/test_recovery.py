@@ -89,14 +89,21 @@ def test_bad_stop_at_recovery_is_one_line(over, msg, tmp_path):
 def test_references_come_from_the_stage_records_and_a_gated_domain_without_them_is_refused(tmp_path):
     cfg = load_config("tiny", tiny_overrides(tmp_path) + ["mopd.eval_every=1", "mopd.stop_at_recovery={code: 0.8}"])
     plan = {s.stage: s for s in stage_plan(cfg)}
-    write_stage(plan["sft"].stage_dir, {"status": "done", "eval": _scores(0.4, 0.5)})
-    write_stage(plan["expert:math"].stage_dir, {"status": "done", "eval": _scores(0.9, 0.6)})
-    with pytest.raises(ConfigError) as e:  # code's expert has no record: refused before any compute
-        R.recovery_references(cfg, plan["sft"].stage_dir / "final", {})
+
+    def done(spec, scores, fingerprint=None):
+        (spec.stage_dir / "final").mkdir(parents=True)
+        write_stage(spec.stage_dir, {"status": "done", "fingerprint": fingerprint or spec.fingerprint,
+                                     "steps": spec.steps, "eval": scores})
+
+    done(plan["sft"], _scores(0.4, 0.5))
+    done(plan["expert:math"], _scores(0.9, 0.6))
+    done(plan["expert:code"], _scores(0.5, 0.8), fingerprint="another-config")  # not this recipe's expert
+    with pytest.raises(ConfigError) as e:  # code's expert has no record of its own: refused before any compute
+        R.recovery_references(cfg, "elsewhere/final", {})
     assert str(e.value).startswith("mopd.stop_at_recovery gates domain 'code', but no finished SFT and expert-code "
                                    "stage records its eval")
-    write_stage(plan["expert:code"].stage_dir, {"status": "done", "eval": _scores(0.5, 0.8)})
-    refs = R.recovery_references(cfg, plan["sft"].stage_dir / "final", {})
+    # a teacher given as a stage's final/ dir: its own record, whatever config made it
+    refs = R.recovery_references(cfg, "elsewhere/final", {"code": plan["expert:code"].stage_dir / "final"})
     assert refs.domains == ["math", "code"]
     assert refs.expert == {"math": {"greedy": 0.9}, "code": {"greedy": 0.8}}  # each expert on its own domain
     assert refs.sources == {"sft": str(plan["sft"].stage_dir), "expert-math": str(plan["expert:math"].stage_dir),
