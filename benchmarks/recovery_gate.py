@@ -83,6 +83,7 @@ def main() -> int:
 
 
 def _markdown(res: dict, cfg) -> str:
+    refs = res["references_math_greedy"]
     lines = ["# Recovery gate on the tiny preset's math domain (one seed, a demonstration)", "",
              f"Student distilled from the tiny preset's SFT model by its expert-math (preset MOPD settings, math only),"
              f" eval every {res['eval_every']} steps on the 200 held-out math prompts, `mopd.stop_at_recovery="
@@ -90,13 +91,14 @@ def _markdown(res: dict, cfg) -> str:
              f"{res['machine']['threads']} torch thread(s), load average at start "
              f"{', '.join(f'{x:.1f}' for x in res['machine']['loadavg_at_start'])}; wall {res['wall_s']:.0f} s.", "",
              "References (their stage records, 200 prompts): SFT math "
-             f"{res['references_math_greedy']['sft']:.3f}, expert-math {res['references_math_greedy']['expert-math']:.3f}.",
+             f"{refs['sft']:.3f}, expert-math {refs['expert-math']:.3f}.",
              "",
              "| step | math greedy | recovery/math (read back from MLflow) |", "|---|---|---|"]
     acc = dict(res["eval_curve"])
     lines += [f"| {s} | {acc.get(s, float('nan')):.3f} | {v:.3f} |" for s, v in res["recovery_curve_mlflow"]]
+    final = res["final_recovery"].get("math", float("nan"))
     lines += ["", f"Stopped: {res['stopped']} (the stage's last step: {res['last_step']}). Final eval: math "
-              f"{res['final_eval']['math']['greedy']:.3f}, recovery {res['final_recovery'].get('math', float('nan')):.3f}."
+              f"{res['final_eval']['math']['greedy']:.3f}, recovery {final:.3f}."
               f" Compatibility pre-flight failures: {res['compat_failures']}.", ""]
     return "\n".join(lines)
 

@@ -297,7 +297,9 @@ def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool =
     """Multi-domain GRPO with MOPD's exact sampling budget (same steps, prompts, group size): the comparison
     that tells whether the teachers add anything beyond the rewards."""
     base = recipe.model_copy(deep=True)
-    base.mopd = recipe.mopd.model_copy(update={"w_kd": 0.0, "w_rl": 1.0, "kd_loss": "sampled_rkl"})
+    # every step of the budget: the recovery gate would give the baseline a budget of its own
+    base.mopd = recipe.mopd.model_copy(update={"w_kd": 0.0, "w_rl": 1.0, "kd_loss": "sampled_rkl",
+                                               "stop_at_recovery": None})
     return mopd_stage(base, init, {}, progress=progress, stage_name="grpo-baseline")
 
 
