@@ -411,6 +411,18 @@ def model_shape(config: dict) -> tuple[int, int, int] | None:
         return None
 
 
+def model_widths(config: dict) -> tuple[int, int] | None:
+    """(MLP intermediate size, key/value width = KV heads × head dim) of a config dict (the text model's for a
+    multimodal one): the activation, KV-cache and teacher-forward estimates; None when the config does not say."""
+    cfg = config.get("text_config") or config
+    try:
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        return int(cfg["intermediate_size"]), int(cfg.get("num_key_value_heads") or heads) * head_dim
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def model_context(config: dict) -> int | None:
     cfg = config.get("text_config") or config
     for k in _CONTEXT_KEYS:
