@@ -334,6 +334,16 @@ def stage_memory(recipe: RecipeConfig, stage: str, kind: str, student: str | Pat
             "terms_mib": {k: v / 2**20 for k, v in transient_bytes(recipe, stage, kind, stu).items()}}
 
 
+def recipe_memory(recipe: RecipeConfig, kind: str, stage: str = "student") -> dict[str, Any]:
+    """`stage_memory` for a recipe whose models are not built yet: its base model (`model.base`, or the tiny model
+    as it will be built) as the student and, for the MOPD stage, one teacher of that shape per expert domain —
+    what the pre-flight will estimate, before anything runs."""
+    stu = _base(recipe)
+    ts = {d: stu for d in recipe.expert_domains()} if stage == "student" else {}
+    return {"needs_mib": memory_needs(recipe, stage, kind, stu, ts),
+            "terms_mib": {k: v / 2**20 for k, v in transient_bytes(recipe, stage, kind, stu).items()}}
+
+
 def _lora_params(recipe: RecipeConfig, stu: _Model, lora) -> int | None:
     """The adapter parameters a LoRA stage trains (only they get gradients and AdamW state), counted on the model
     built from its config on the meta device; None when the config cannot be read here (then the estimate is
