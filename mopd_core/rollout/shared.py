@@ -36,6 +36,20 @@ def score_shared_prefix(model, batch: RolloutBatch, temperature: float = 1.0, *,
 
 
 def _shared_rows(model, sub: RolloutBatch, temperature, impl, top_k, support_ids) -> CompletionScores:
+    hidden = shared_prefix_hidden(model, sub)
+    mask = sub.completion_mask.bool()
+    head = unwrap(model).get_output_embeddings()
+    softcap, scale = logit_transform(model)
+    transform = LogitTransform(temperature, softcap, scale)
+    sc = token_logprobs(hidden[mask], head.weight, sub.completion_ids[mask], transform, bias=head.bias, impl=impl,
+                        top_k=top_k, support_ids=None if support_ids is None else support_ids[mask])
+    return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
+        _trail(mask, x.dim() - 1), x) for x in (sc.logp, None, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+
+
+def shared_prefix_hidden(model, sub: RolloutBatch) -> torch.Tensor:
+    """`[B,T,H]`: the final hidden state that predicts each completion token (what `score_completions` projects),
+    each distinct prompt run once."""
     P = sub.prompt_ids.shape[1]
     # rows with the same real prompt have the same left-padded prompt row (one batch, one padding width)
     key = torch.cat([sub.prompt_ids * sub.prompt_mask, sub.prompt_mask], dim=1)
@@ -46,13 +60,4 @@ def _shared_rows(model, sub: RolloutBatch, temperature, impl, top_k, support_ids
     am = sub.attention_mask()
     c_hidden, _ = backbone_with_cache(model, sub.completion_ids, am, position_ids(am)[:, P:], cache)
     # position P-1 (the prompt's last) predicts completion token 0, completion position t-1 predicts token t
-    hidden = torch.cat([p_hidden[inverse, -1:], c_hidden[:, :-1]], dim=1)
-    mask = sub.completion_mask.bool()
-    head = unwrap(model).get_output_embeddings()
-    softcap, scale = logit_transform(model)
-    transform = LogitTransform(temperature, softcap, scale)
-    sc = token_logprobs(hidden[mask], head.weight, sub.completion_ids[mask], transform, bias=head.bias, impl=impl,
-                        top_k=top_k,
-                        support_ids=None if support_ids is None else support_ids[mask])
-    return CompletionScores(*(None if x is None else x.new_zeros(mask.shape + x.shape[1:]).masked_scatter(
-        _trail(mask, x.dim() - 1), x) for x in (sc.logp, None, sc.topk_ids, sc.topk_logp, sc.support_logp)))
+    return torch.cat([p_hidden[inverse, -1:], c_hidden[:, :-1]], dim=1)

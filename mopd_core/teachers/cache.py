@@ -137,7 +137,10 @@ class ScoreCache:
                     os.fsync(f.fileno())
                 os.replace(tmp, seg)
             except OSError as e:
-                tmp.unlink(missing_ok=True)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:  # the folder itself is the problem (not a directory, gone, read-only)
+                    pass
                 self._writable = False
                 log.warning("teacher score cache: cannot write %s (%s) — the stage goes on without caching new "
                             "scores", self.root, str(e)[:120])
