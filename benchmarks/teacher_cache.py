@@ -10,8 +10,8 @@ checkpoints every 2. Per repeat:
 
 - `uncached`: `teachers.score_cache=false`, steps 1..S — the reference numbers and teacher seconds;
 - `fresh`: the same stage with the cache (empty at start): every row scored, and stored;
-- `resumed`: the cached stage interrupted after step 3 (its checkpoint is step 2), then run again: step 3 is
-  replayed from the checkpoint (its rows are in the cache), step 4 is new;
+- `resumed_hit` / `resumed_new`: the cached stage interrupted after step 3 (its checkpoint is step 2), then run
+  again: step 3 is replayed from the checkpoint (its rows are in the cache), step 4 is new;
 - `replayed`: the whole stage run again in a new folder holding only the first run's `teacher_cache/` (a rerun
   after a crash that lost the checkpoints, or the same stage on another machine with the cache copied): every
   step's rows are in the cache.
@@ -44,6 +44,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 COMPARED = ("loss", "grad_norm", "adv/kd_mean", "adv/mean", "reward/mean")
+KINDS = {"uncached": "no cache (reference)", "fresh": "cache, fresh (empty)",
+         "resumed_hit": "cache, resumed: the step replayed from the checkpoint",
+         "resumed_new": "cache, resumed: the step after it (new)", "replayed": "cache, whole stage replayed"}
 
 
 class _Stop(Exception):
@@ -108,7 +111,8 @@ def one_repeat(base, student, teachers, work: Path, steps: int) -> list[dict]:
     c = cfg_for("resumed", True)
     _run(c, student, teachers, stop_after=3)  # steps 1..3 ran, the last checkpoint is step 2
     res = _run(c, student, teachers)
-    out += [_step(r, "resumed", ref[r["step"]]) for r in _rows(res.stage_dir) if r["step"] >= 3]
+    out += [_step(r, "resumed_hit" if r["step"] == 3 else "resumed_new", ref[r["step"]])
+            for r in _rows(res.stage_dir) if r["step"] >= 3]
 
     c = cfg_for("replayed", True)
     stage = Path(c.output_dir) / c.name / fresh.stage_dir.name
@@ -157,7 +161,7 @@ def shared_prefix(base, student, teachers, repeats: int) -> dict:
 
 def _summary(rows: list[dict]) -> dict:
     out = {}
-    for kind in ("uncached", "fresh", "resumed", "replayed"):
+    for kind in KINDS:
         sel = [r for r in rows if r["kind"] == kind]
         per_rep = {}
         for r in sel:
@@ -195,18 +199,17 @@ def write_md(path: Path, res: dict) -> None:
         "metrics) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    names = {"uncached": "no cache (reference)", "fresh": "cache, fresh (empty)",
-             "resumed": "cache, resumed after a crash", "replayed": "cache, whole stage replayed"}
     for k, v in s.items():
-        lines.append(f"| {', '.join(map(str, v['steps']))} | {names[k]} | {_fmt(v['teacher_s_per_step'])} | "
+        lines.append(f"| {', '.join(map(str, v['steps']))} | {KINDS[k]} | {_fmt(v['teacher_s_per_step'])} | "
                      f"{_fmt(v['score_wall_s_per_step'])} | {_fmt(v['saved_s_per_step'])} | {v['hits']:.0f} / "
                      f"{v['misses']:.0f} | {v['max_abs_diff']:.2g} | {v['teacher_logp_diff']:.2g} |")
     over = {k: statistics.mean(w - t for w, t in zip(v["score_wall_s_per_step"], v["teacher_s_per_step"]))
             for k, v in s.items()}
     lines += [
         "",
-        "The resumed run's step 3 was scored before the interruption and comes from the cache; its step 4 is new "
-        "(misses). The replayed run reads the first run's cache only. A diff of 0 is bit-equal: a hit returns the "
+        "The resumed run was interrupted after step 3 (last checkpoint: step 2): its step 3 was scored before the "
+        "interruption and comes from the cache, its step 4 is new. The replayed run reads the first run's cache "
+        "only. A diff of 0 is bit-equal: a hit returns the "
         "very numbers the teacher gave, and the stage is deterministic.",
         "",
         f"The cache's own cost per step (router wall − teacher seconds): {over['uncached']:.3f} s without it, "
@@ -251,8 +254,14 @@ def main(argv=None) -> int:
     ap.add_argument("--md-only", action="store_true", help="rewrite <out>.md from <out>.json, run nothing")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    if args.md_only:
-        write_md(out.with_suffix(".md"), json.loads(out.with_suffix(".json").read_text()))
+    if args.md_only:  # the summary is recomputed from the per-step rows
+        res = json.loads(out.with_suffix(".json").read_text())
+        for r in res["steps"]:  # rows of a run before the resumed steps were told apart
+            if r["kind"] == "resumed":
+                r["kind"] = "resumed_hit" if r["step"] == 3 else "resumed_new"
+        res["summary"] = _summary(res["steps"])
+        out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+        write_md(out.with_suffix(".md"), res)
         return 0
     if args.steps < 4:
         ap.error("--steps must be ≥ 4 (the resumed run stops after step 3 and resumes from step 2's checkpoint)")

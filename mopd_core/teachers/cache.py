@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -42,12 +43,10 @@ _LOADED_SEGMENTS = 16  # segment payloads kept in memory per teacher (the newest
 
 def _row_key(prefix: bytes, prompt: torch.Tensor, completion: torch.Tensor, support: torch.Tensor | None) -> str:
     h = hashlib.sha256(prefix)
-    h.update(prompt.to(torch.int64).numpy().tobytes())
-    h.update(b"|")
-    h.update(completion.to(torch.int64).numpy().tobytes())
-    if support is not None:
-        h.update(b"|s")
-        h.update(support.to(torch.int64).numpy().tobytes())
+    # the lengths first: no two (prompt, completion) splits of the same ids hash alike
+    h.update(f"{prompt.numel()},{completion.numel()},{-1 if support is None else support.numel()}|".encode())
+    for ids in (prompt, completion) if support is None else (prompt, completion, support):
+        h.update(ids.to(torch.int64).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -127,7 +126,7 @@ class ScoreCache:
         body = buf.getvalue()
         header = json.dumps({"v": FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "keys": list(entries)})
         with self._lock:
-            seg = self.root / f"{self.teacher_key}-{time.time_ns()}-{os.getpid()}.seg"
+            seg = self.root / f"{self.teacher_key}-{time.time_ns()}-{uuid.uuid4().hex[:8]}.seg"
             tmp = seg.with_name(seg.name + ".tmp")
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
