@@ -458,7 +458,18 @@ class TeachersConfig(_Model):
     tensor_parallel_size: int = Field(1, ge=1, description="Served teachers: vLLM --tensor-parallel-size.")
     kv_cache_gib: int = Field(1, ge=1, description="Served teachers on CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV "
                               "cache per server; vLLM's default asks for most of the RAM).")
+    score_cache: bool = Field(True, description="Keep every teacher score in `<stage>/teacher_cache/`, keyed by "
+                              "the teacher's identity (weights, tokenizer, temperature, dtype), what is asked and "
+                              "the row's token ids: a resumed or replayed step and a rerun after a crash score "
+                              "nothing twice (teachers whose weights are not known here are not cached; "
+                              "docs/teachers.md).")
+    score_cache_gb: float = Field(2.0, gt=0, description="teachers.score_cache: size bound of the folder; past it "
+                                  "the least recently used segments are removed.")
     # left out of the dump at their defaults: configs without them keep their fingerprints
+    share_prefix: bool = Field(False, exclude_if=lambda v: not v, description="Local teachers: prefill each "
+                               "distinct prompt of a micro-batch once and score its group's completions from that "
+                               "KV cache (the same numbers up to float rounding; keep teachers.batch_size a "
+                               "multiple of the group size). vLLM servers cannot: docs/teachers.md.")
     conflict: Literal["none", "mask", "consensus"] = Field(
         "none", exclude_if=lambda v: v == "none", description="routing=mixture: where the teachers' advantages at "
         "the sampled token differ in sign by more than conflict_nats — `mask` zeroes the distillation advantage, "

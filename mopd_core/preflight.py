@@ -55,6 +55,7 @@ class _Model:
     num_params: int | None
     tokenizer: Any = None
     shape: tuple[int, int, int] | None = None  # hidden size, decoder layers, vocabulary: the activation estimate
+    widths: tuple[int, int] | None = None  # MLP intermediate size, KV heads × head dim (`models.model_widths`)
 
 
 def check_recipe(recipe: RecipeConfig, plan: Sequence[StageSpec], domains: Mapping[str, Any],
@@ -117,7 +118,7 @@ def check_stage(recipe: RecipeConfig, spec: StageSpec, *, domains: Mapping[str, 
                 _check_context(recipe, t, eval=False)
                 local_teachers[tid] = t
     if policy and stu.num_params:
-        _check_memory(recipe, name, dinfo.kind, stu, local_teachers)
+        memory_needs(recipe, name, dinfo.kind, stu, local_teachers)
     _check_prompts(recipe, _tokenizer(stu), domains)
     # a stage that will be reused writes nothing (retrained after all: a full disk is still caught while saving)
     _check_output_dir(recipe, spec.stage_dir, None if spec.done() else stu)
@@ -189,15 +190,16 @@ def _check_config(recipe: RecipeConfig, stage: str, domains: Mapping[str, Any], 
 
 
 def _inspect(recipe: RecipeConfig, label: str, path: str | Path | None) -> _Model:
-    from .models import inspect_checkpoint, model_shape
+    from .models import inspect_checkpoint, model_shape, model_widths
 
     if path is None or not str(path).strip():
         raise ConfigError(f"{label}: no model given — pass a checkpoint dir")
     info = inspect_checkpoint(path, label)
     if info is not None:
-        return _Model(label, str(path), info.context, info.num_params, shape=model_shape(info.config))
-    context, n, shape = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: what its config says
-    return _Model(label, str(path), context, n, shape=shape)
+        return _Model(label, str(path), info.context, info.num_params, shape=model_shape(info.config),
+                      widths=model_widths(info.config))
+    context, n, shape, widths = _hub_shape(str(path), recipe.model.trust_remote_code)  # a hub id: its config
+    return _Model(label, str(path), context, n, shape=shape, widths=widths)
 
 
 def _base(recipe: RecipeConfig) -> _Model:
@@ -217,23 +219,24 @@ def _base(recipe: RecipeConfig) -> _Model:
                                                     tok.eos_token_id).parameters())
     t = recipe.model.tiny
     return _Model("the tiny model", "tiny", t.max_position_embeddings, n, tok,
-                  shape=(t.hidden_size, t.num_layers, len(tok)))
+                  shape=(t.hidden_size, t.num_layers, len(tok)),
+                  widths=(t.intermediate_size, (t.num_kv_heads or t.num_heads) * (t.hidden_size // t.num_heads)))
 
 
-def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None, Any]:
+def _hub_shape(model_id: str, trust_remote_code: bool) -> tuple[int | None, int | None, Any, Any]:
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .models import model_context, model_shape
+        from .models import model_context, model_shape, model_widths
 
         cfg = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(
                 cfg, trust_remote_code=trust_remote_code).parameters())
-        return model_context(cfg.to_dict()), n, model_shape(cfg.to_dict())
+        return model_context(cfg.to_dict()), n, model_shape(cfg.to_dict()), model_widths(cfg.to_dict())
     except Exception:  # noqa: BLE001 - not resolvable now: the stage's own load reports it
-        return None, None, None
+        return None, None, None, None
 
 
 def _tokenizer(m: _Model):
@@ -262,33 +265,64 @@ def _check_context(recipe: RecipeConfig, m: _Model, eval: bool) -> None:
                       "with a longer context")
 
 
-def update_activation_bytes(recipe: RecipeConfig, stage: str, shape: tuple[int, int, int]) -> int:
+def update_activation_bytes(recipe: RecipeConfig, stage: str, shape: tuple[int, int, int],
+                            widths: tuple[int, int] | None = None) -> int:
     """The activations of one micro-batch of `stage`'s update (`runtime.phases.activation_bytes`) for a model of
-    `shape` (hidden, layers, vocabulary): the token budget, else micro_batch_size rows (all of a rank's rows of a
-    minibatch when unset) × the longest row."""
+    `shape` (hidden, layers, vocabulary) and `widths` (MLP, key/value: `models.model_widths`; None = guessed):
+    the token budget, else micro_batch_size rows (all of a rank's rows of a minibatch when unset) × the longest
+    row."""
     from .runtime.phases import activation_bytes
 
     rt, tr = recipe.runtime, recipe.train
     loop = recipe.expert if stage.startswith("expert-") else recipe.mopd
     rows = max(loop.prompts_per_step * loop.group_size // rt.num_workers // loop.minibatches, 1)
     tokens = tr.max_tokens_per_micro_batch or (min(loop.micro_batch_size or rows, rows) * recipe.max_seq_len())
+    inter, kv = widths or (None, None)
     return activation_bytes(max(tokens, recipe.max_seq_len()), *shape, dtype_bytes=_DTYPE_BYTES.get(rt.dtype, 4),
-                            checkpointing=tr.gradient_checkpointing, logprob_impl=tr.logprob_impl)
+                            checkpointing=tr.gradient_checkpointing, logprob_impl=tr.logprob_impl,
+                            intermediate=inter, kv_dim=kv)
 
 
-def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teachers: dict[str, _Model]) -> None:
-    """The memory of one device (one rank) in each colocated phase (`runtime.phases.check_colocated_fit`, which
-    the loop applies to the loaded models too) from parameter counts and the model's shape: float32 master
-    weights + gradients + AdamW state (÷ N under FSDP2; + the sampling copy when workers train), the
-    activations of one micro-batch (`activation_bytes`: token budget or rows × longest row, gradient
-    checkpointing, chunked log-probs), teachers in the compute dtype. A ColocationError before any folder or
-    model exists."""
+def transient_bytes(recipe: RecipeConfig, stage: str, kind: str, stu: _Model) -> dict[str, int]:
+    """What the phases hold beyond weights, gradients and optimizer state, per device: `activations` (one
+    micro-batch's, plus autocast's compute-dtype copy of the float32 weights, which it keeps while its context
+    lasts), `sampling` (the in-process engines: the preallocated KV cache of the batch, and the weight copies
+    autocast makes — one for `hf`; two for a captured `hf_graphed`, the eager prefill's and the casts recorded
+    in the graph's memory pool; vLLM holds its own memory, `rollout.gpu_memory_utilization`) and `scoring` (a
+    local teacher's forward over its batch). Bytes; 0 where the model's shape is unknown."""
+    from .runtime.phases import forward_activation_bytes, kv_cache_bytes
+
+    if stu.shape is None or not stu.num_params:
+        return {"activations": 0, "sampling": 0, "scoring": 0}
+    rt, ro = recipe.runtime, recipe.rollout
+    b = _DTYPE_BYTES.get(rt.dtype, 4)
+    hidden, layers, _ = stu.shape
+    inter, kv = stu.widths or (3 * hidden, hidden)
+    loop = recipe.expert if stage.startswith("expert-") else recipe.mopd
+    rows, seq = loop.prompts_per_step * loop.group_size, recipe.max_seq_len()
+    # FSDP2 casts the gathered units instead (MixedPrecisionPolicy), counted in its gathered bytes
+    cast = stu.num_params * b if rt.dtype != "float32" and rt.strategy != "fsdp2" else 0
+    copies = {"hf": 1, "hf_graphed": 2 if devlib.graphs_supported(kind) else 1}.get(ro.backend)
+    sampling = 0 if copies is None else (kv_cache_bytes(min(ro.batch_size or rows, rows), seq, layers, kv, b)
+                                         + copies * cast)
+    t_rows = min(recipe.teachers.batch_size or rows, rows)
+    return {"activations": update_activation_bytes(recipe, stage, stu.shape, stu.widths) + cast,
+            "sampling": sampling, "scoring": forward_activation_bytes(t_rows * seq, hidden, inter, b)}
+
+
+def memory_needs(recipe: RecipeConfig, stage: str, kind: str, stu: _Model,
+                 teachers: dict[str, _Model]) -> dict[str, float]:
+    """The memory of one device (one rank) in each colocated phase, MiB (`runtime.phases.check_colocated_fit`,
+    which the loop applies to the loaded models too) from parameter counts and the model's shape: float32 master
+    weights + gradients + AdamW state (÷ N under FSDP2; + the sampling copy when workers train), teachers in the
+    compute dtype, and `transient_bytes` (activations, the sampler's cache, a teacher's forward). A
+    ColocationError when the largest phase exceeds the device (or runtime.memory_limit_gib)."""
     from .runtime.phases import check_colocated_fit, fsdp_gathered_bytes
 
     rt = recipe.runtime
     b = _DTYPE_BYTES.get(rt.dtype, 4)
     master = _DTYPE_BYTES[devlib.TRAIN_MASTER_DTYPE]
-    act = update_activation_bytes(recipe, stage, stu.shape) if stu.shape is not None else 0
+    extra = transient_bytes(recipe, stage, kind, stu)
     tb = {k: t.num_params * b for k, t in teachers.items() if t.num_params}
     on_ranks = recipe.teachers.placement == "workers"
     if on_ranks:  # all of a rank's teachers are asked at once
@@ -301,15 +335,36 @@ def _check_memory(recipe: RecipeConfig, stage: str, kind: str, stu: _Model, teac
         tb = {r: v for r, v in per.items() if v}
     loop = recipe.expert if stage.startswith("expert-") else recipe.mopd
     lora = _lora_params(recipe, stu, loop.lora) if loop.lora is not None else None
-    check_colocated_fit(kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
-                        optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload,
-                        placement=rt.placement, shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
-                        # LoRA with the hf engine samples from a merged copy of the weights (train/loop.py)
-                        driver_copy=rt.strategy != "single" or (lora is not None and recipe.rollout.backend == "hf"),
-                        activations=act, teachers_on_ranks=on_ranks,
-                        gathered=(fsdp_gathered_bytes(stu.num_params, stu.shape, b)
-                                  if recipe.train.fsdp_cpu_offload else None),
-                        trainable_bytes=None if lora is None else lora * master)
+    return check_colocated_fit(
+        kind=kind, limit_gib=rt.memory_limit_gib, student_bytes=stu.num_params * master,
+        optimizer_factor=2.0, teacher_bytes=tb, teachers_offload=recipe.teachers.offload, placement=rt.placement,
+        shards=rt.num_workers if rt.strategy == "fsdp2" else 1,
+        # LoRA with the hf engine samples from a merged copy of the weights (train/loop.py)
+        driver_copy=rt.strategy != "single" or (lora is not None and recipe.rollout.backend == "hf"),
+        activations=extra["activations"], teachers_on_ranks=on_ranks,
+        gathered=fsdp_gathered_bytes(stu.num_params, stu.shape, b) if recipe.train.fsdp_cpu_offload else None,
+        trainable_bytes=None if lora is None else lora * master,
+        sampling=extra["sampling"], scoring=extra["scoring"] if tb else 0)
+
+
+def stage_memory(recipe: RecipeConfig, stage: str, kind: str, student: str | Path,
+                 teachers: Mapping[str, str | Path]) -> dict[str, Any]:
+    """`memory_needs` (MiB per phase) and `transient_bytes` for a stage's checkpoints, read without loading a
+    tensor: what the pre-flight estimates, for a report beside the measured peaks (tests/device)."""
+    stu = _inspect(recipe, "--init", student)
+    ts = {k: _inspect(recipe, f"teacher '{k}'", p) for k, p in teachers.items()}
+    return {"needs_mib": memory_needs(recipe, stage, kind, stu, ts),
+            "terms_mib": {k: v / 2**20 for k, v in transient_bytes(recipe, stage, kind, stu).items()}}
+
+
+def recipe_memory(recipe: RecipeConfig, kind: str, stage: str = "student") -> dict[str, Any]:
+    """`stage_memory` for a recipe whose models are not built yet: its base model (`model.base`, or the tiny model
+    as it will be built) as the student and, for the MOPD stage, one teacher of that shape per expert domain —
+    what the pre-flight will estimate, before anything runs."""
+    stu = _base(recipe)
+    ts = {d: stu for d in recipe.expert_domains()} if stage == "student" else {}
+    return {"needs_mib": memory_needs(recipe, stage, kind, stu, ts),
+            "terms_mib": {k: v / 2**20 for k, v in transient_bytes(recipe, stage, kind, stu).items()}}
 
 
 def _lora_params(recipe: RecipeConfig, stu: _Model, lora) -> int | None:

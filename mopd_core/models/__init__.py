@@ -306,6 +306,34 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def checkpoint_files_identity(path: str | Path) -> dict | None:
+    """What a checkpoint dir's weights are, without reading them: the config's and stage identity's hashes and
+    each weight file's name, size and modification time (a file rewritten in place gets a new time: a miss,
+    never a stale hit; a copied model gets new times too: misses, which are safe). None when `path` is no dir."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    out = {}
+    for f in sorted(p.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".pt"):
+            st = f.stat()
+            out[f.name] = [st.st_size, st.st_mtime_ns]
+        elif f.name in ("config.json", "mopd_identity.json", "tokenizer.json"):
+            out[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def weights_digest(model) -> str:
+    """blake2b over every parameter and buffer (name, dtype, shape, bytes): the identity of weights held in memory
+    (one pass over them; they are what a scorer's numbers come from — the teacher-score cache keys on it)."""
+    h = hashlib.blake2b(digest_size=20)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def check_same_tokenizer(student_fp: str, teacher_fp: str, teacher: str, where: str = "") -> None:
     if student_fp != teacher_fp:
         raise ModelError(f"teacher '{teacher}'{where} has tokenizer fingerprint {teacher_fp}, the student has "
@@ -351,6 +379,19 @@ def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
     if unwrap(model) is model and not is_fsdp(model):
         return model.base_model(**kw).last_hidden_state
     return model(**kw, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+
+
+def backbone_with_cache(model, input_ids, attention_mask, position_ids, cache: Any = None):
+    """The backbone's final hidden states `[B,L,H]` and its KV cache after `input_ids` (continuing `cache` when
+    given): a prefix is run once and its cache extended by what follows (`rollout.shared`). Plain models only (no
+    DDP/FSDP wrapper: teachers)."""
+    base = model.base_model
+    kw = {_cache_kwarg(type(base)): cache} if cache is not None else {}
+    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kw)
+    new_cache = getattr(out, "cache", None)  # lib: transformers ≥ 5.2x returns `cache`
+    if new_cache is None:
+        new_cache = getattr(out, "past_key_values", None)  # lib: transformers < 5.2x: `past_key_values`
+    return out.last_hidden_state, new_cache
 
 
 def is_fsdp(model) -> bool:
@@ -407,6 +448,18 @@ def model_shape(config: dict) -> tuple[int, int, int] | None:
     cfg = config.get("text_config") or config
     try:
         return int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def model_widths(config: dict) -> tuple[int, int] | None:
+    """(MLP intermediate size, key/value width = KV heads × head dim) of a config dict (the text model's for a
+    multimodal one): the activation, KV-cache and teacher-forward estimates; None when the config does not say."""
+    cfg = config.get("text_config") or config
+    try:
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        return int(cfg["intermediate_size"]), int(cfg.get("num_key_value_heads") or heads) * head_dim
     except (KeyError, TypeError, ValueError):
         return None
 

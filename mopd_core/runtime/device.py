@@ -259,6 +259,56 @@ def offload_optimizer(opt: torch.optim.Optimizer, device: torch.device | str = "
     return moved
 
 
+class HostMirror:
+    """Where the optimizer state (AdamW moments) waits on the host while colocated rollout and teachers use the
+    device: one page-locked buffer per state tensor, allocated at the first offload and reused at every later
+    one, each move one asynchronous copy per tensor and one synchronisation. `offload_optimizer`'s pageable
+    `.to("cpu")` allocates host memory and stages each tensor through a bounce buffer every step — several times
+    slower over the same link (the H200 stage: 12.8 GiB each way per step). As verl's and NeMo-RL's offload
+    paths, pinned memory; on cpu nothing moves."""
+
+    def __init__(self, kind: str, device: torch.device | str):
+        self.kind, self.device = kind, torch.device(device)
+        self.pin = kind in ("cuda", "npu")
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _states(self, opt: torch.optim.Optimizer):
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # 0-dim `step` counters stay put
+                    yield (id(p), k), st, k, v
+
+    def offload(self, opt: torch.optim.Optimizer) -> int:
+        """Every state tensor into its host buffer; returns the bytes moved (0 on cpu)."""
+        if self.kind == "cpu":
+            return 0
+        moved = 0
+        for key, st, k, v in self._states(opt):
+            if v.device.type == "cpu":
+                continue
+            h = self.host.get(key)
+            if h is None or h.shape != v.shape or h.dtype != v.dtype:
+                h = self.host[key] = torch.empty(v.shape, dtype=v.dtype, pin_memory=self.pin)
+            h.copy_(v, non_blocking=self.pin)
+            st[k] = h
+            moved += v.numel() * v.element_size()
+        synchronize(self.kind)  # the host copies are complete before anything reads them
+        return moved
+
+    def restore(self, opt: torch.optim.Optimizer) -> int:
+        """Every state tensor back onto the device (fresh device memory; the host buffers stay for the next
+        offload). The update's kernels run on the same stream, after the copies."""
+        moved = 0
+        for _, st, k, v in self._states(opt):
+            if v.device == self.device or self.kind == "cpu":
+                continue
+            d = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+            d.copy_(v, non_blocking=self.pin)
+            st[k] = d
+            moved += v.numel() * v.element_size()
+        return moved
+
+
 def configure_threads(num_threads: int | None) -> None:
     if num_threads:
         torch.set_num_threads(num_threads)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,16 +54,33 @@ def device_budget_mb(kind: str, limit_gib: float | None) -> float | None:
     return total / MB if total else None
 
 
+def layer_activation_bytes(hidden: int, intermediate: int | None = None, kv_dim: int | None = None, *,
+                           dtype_bytes: int = 4) -> int:
+    """Bytes one decoder layer keeps for its backward, per token: a Llama/Qwen-style layer (RMSNorm, GQA
+    attention through sdpa — no s×s scores —, SwiGLU MLP) as transformers runs it, the residual stream and the
+    norms in the float32 master dtype and the matmuls' inputs and outputs in the compute dtype (`dtype_bytes`).
+    Fitted to what autograd really saves (`torch.autograd.graph.saved_tensors_hooks` on Qwen3 layers of several
+    widths, bf16 autocast and float32: `tests/unit/test_phases.py` checks it on shapes the fit did not use):
+    about 40·H + 8·I + 10·KV bytes under bf16 autocast, 45·H + 16·I + 18·KV in float32 — twice the 34·H
+    (16-bit, plain MLP) of Korthikanti et al. 2022, whose count has neither the float32 residual and norms
+    nor SwiGLU's three I-wide tensors. Unknown widths: I = 3·H, KV = H."""
+    intermediate = 3 * hidden if intermediate is None else intermediate
+    kv_dim = hidden if kv_dim is None else kv_dim
+    b = dtype_bytes
+    return int((34 + 2.75 * b) * hidden + 4 * b * intermediate + (4 * b + 2) * kv_dim)
+
+
 def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, *, dtype_bytes: int = 4,
-                     checkpointing: bool = False, logprob_impl: str = "chunked") -> int:
-    """Activation memory of one forward/backward of `tokens` tokens (one micro-batch), an estimate: a decoder
-    layer keeps ~34·H bytes a token in 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-    Large Transformer Models", with attention that materialises no s×s scores — sdpa/flash), scaled by the compute
-    dtype; with gradient checkpointing only each layer's input (H values a token) stays, plus one layer being
-    recomputed. The log-probs: `full` holds logits, log-softmax and their gradient ([T,V] fp32 × 3); `chunked`
-    only the final hidden states and their gradient."""
-    per_layer = 34 * hidden * dtype_bytes // 2
-    layers_b = (layers * hidden * dtype_bytes + per_layer) if checkpointing else layers * per_layer
+                     checkpointing: bool = False, logprob_impl: str = "chunked", intermediate: int | None = None,
+                     kv_dim: int | None = None) -> int:
+    """Activation memory of one forward/backward of `tokens` tokens (one micro-batch), an estimate:
+    `layer_activation_bytes` per layer; with gradient checkpointing only each layer's input (the float32
+    residual, 4·H bytes a token) stays, plus one layer being recomputed. The log-probs: `full` holds logits,
+    log-softmax and their gradient ([T,V] fp32 × 3); `chunked` only the final hidden states and their gradient.
+    Compiled decoder layers (`train.compile`) fuse and save less (about half, measured on an H200): the estimate
+    stays the eager one, an upper bound."""
+    per_layer = layer_activation_bytes(hidden, intermediate, kv_dim, dtype_bytes=dtype_bytes)
+    layers_b = (layers * 4 * hidden + per_layer) if checkpointing else layers * per_layer
     head = 3 * vocab * 4 if logprob_impl == "full" else 2 * hidden * 4
     return tokens * (layers_b + head)
 
@@ -194,6 +212,7 @@ class PhaseScheduler:
         self.events_path = Path(events_path) if events_path else None
         self.step = 0
         self.opt_on_device = True
+        self.mirror = devlib.HostMirror(kind, device)
         self.max_teachers_resident = 0
         self._step_metrics: dict[str, float] = {}
         self._events: list[dict] = []
@@ -287,14 +306,18 @@ class PhaseScheduler:
             if self.colocated:  # the next phases need neither: give the memory to the rollout engine/teachers
                 self.model.zero_grad(set_to_none=True)
                 if self.opt is not None:  # None: the optimizer lives on the training workers
-                    devlib.offload_optimizer(self.opt, "cpu")
+                    t0 = time.perf_counter()
+                    self.mirror.offload(self.opt)
+                    self._step_metrics["perf/optim_offload_s"] = time.perf_counter() - t0
                     self.opt_on_device = False
                 devlib.empty_cache(self.kind)
 
     def restore(self) -> None:
         """Put the optimizer state back on the device (before checkpointing or at the end of the stage)."""
         if not self.opt_on_device and self.opt is not None:
-            devlib.offload_optimizer(self.opt, self.device)
+            t0 = time.perf_counter()
+            self.mirror.restore(self.opt)
+            self._step_metrics["perf/optim_restore_s"] = time.perf_counter() - t0
             self.opt_on_device = True
 
     def end_step(self) -> dict[str, float]:

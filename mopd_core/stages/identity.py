@@ -25,7 +25,7 @@ TRAJECTORY_FREE = {"steps", "save_every", "eval_every", "keep_checkpoints"}
 # TeachersConfig fields that change the teacher signal (the rest — pools, timeouts, ports — only change how it
 # is fetched) and therefore belong in the mopd stage fingerprint.
 TEACHER_RESULT_FIELDS = {"backend", "routing", "mixture_kind", "mixture_weights", "domain_mixture_weights",
-                         "temperature", "server_dtype", "conflict", "conflict_nats"}
+                         "temperature", "server_dtype", "conflict", "conflict_nats", "share_prefix"}
 
 
 def model_ref_id(path: str | Path) -> str:

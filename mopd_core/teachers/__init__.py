@@ -18,8 +18,9 @@ import torch
 from ..algorithms import mix_teacher_logprobs
 from ..errors import TeacherError  # noqa: F401 - teachers.TeacherError stays the public name
 from ..models import (check_same_tokenizer, load_model, load_tokenizer, logit_transform, tokenizer_fingerprint,
-                      unwrap)
+                      unwrap, weights_digest)
 from ..rollout import RolloutBatch, score_completions
+from ..rollout.shared import score_shared_prefix
 from ..runtime.phases import teacher_turn
 
 
@@ -86,6 +87,16 @@ class Teacher:
         """Where its weights run when that is another process of this stage (a training worker), else None."""
         return None
 
+    def cache_identity(self) -> dict | None:
+        """What its scores depend on — weights, tokenizer, temperature, dtype, scoring path — for the score cache
+        (`teachers.cache`); None: not known here, never cached."""
+        return None
+
+    def uncached(self) -> "Teacher":
+        """The teacher that really scores: itself; a score-cache wrapper returns the one it wraps (the
+        compatibility pre-flight must ask the model twice, not the cache)."""
+        return self
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                     chat_template_kwargs: dict | None = None) -> str | None:
         """`messages` rendered as text by the teacher's own chat template (the compatibility pre-flight compares it
@@ -120,8 +131,11 @@ class LocalTeacher(Teacher):
 
     def __init__(self, name: str, path: str | Path, device: torch.device, dtype: str = "float32",
                  offload: bool = True, temperature: float = 1.0, batch_size: int | None = None,
-                 logprob_impl: str = "chunked"):
+                 logprob_impl: str = "chunked", share_prefix: bool = False):
         self.name, self.path, self.device = name, str(path), torch.device(device)
+        # teachers.share_prefix: each distinct prompt of a micro-batch prefilled once, its KV cache shared by the
+        # group's completions (rollout.shared) — the same numbers up to float rounding
+        self.share_prefix = share_prefix
         self.logprob_impl = logprob_impl  # train.logprob_impl: the student's and teachers' log-probs alike
         # `offload` is kept as asked even on CPU (where moving weights is a no-op) so residency bookkeeping — at
         # most one teacher loaded at a time in colocated placement — is the same on every device
@@ -135,6 +149,7 @@ class LocalTeacher(Teacher):
         self._loaded = not self.offload
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0}
+        self._identity: dict | None = None
 
     @property
     def resident(self) -> bool:
@@ -156,11 +171,24 @@ class LocalTeacher(Teacher):
     @torch.no_grad()
     def score(self, batch: RolloutBatch, top_k: int = 0, support_ids: torch.Tensor | None = None) -> TeacherScore:
         t0 = time.perf_counter()
-        sc = score_completions(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
-                               micro_batch_size=self.batch_size, support_ids=support_ids)
+        scorer = score_shared_prefix if self.share_prefix else score_completions
+        sc = scorer(self.model, batch, self.temperature, impl=self.logprob_impl, top_k=top_k,
+                    micro_batch_size=self.batch_size, support_ids=support_ids)
         out = TeacherScore(sc.logp, sc.topk_ids, sc.topk_logp, sc.support_logp)
         self._count(batch, t0)
         return out
+
+    def cache_identity(self) -> dict:
+        """The weights as loaded (a digest of every parameter and buffer: what the scores come from), the
+        tokenizer, temperature, dtype, logit transform and the scoring path."""
+        if self._identity is None:
+            m = self.model
+            self._identity = {
+                "kind": "local", "weights": weights_digest(m),
+                "tokenizer": self.fingerprint, "temperature": self.temperature, "logprob_impl": self.logprob_impl,
+                "dtype": str(next(m.parameters()).dtype), "logit_transform": list(logit_transform(m)),
+                "share_prefix": self.share_prefix}
+        return self._identity
 
     def _count(self, batch: RolloutBatch, t0: float) -> None:
         self.stats["seconds"] += time.perf_counter() - t0
@@ -389,6 +417,7 @@ class TeacherRouter:
 def build_local_router(paths: dict[str, str | Path], cfg, device, dtype: str = "float32",
                        logprob_impl: str = "chunked") -> TeacherRouter:
     """`cfg` is a TeachersConfig; `logprob_impl` is train.logprob_impl."""
-    teachers = {n: LocalTeacher(n, p, device, dtype, cfg.offload, cfg.temperature, cfg.batch_size, logprob_impl)
+    teachers = {n: LocalTeacher(n, p, device, dtype, cfg.offload, cfg.temperature, cfg.batch_size, logprob_impl,
+                                cfg.share_prefix)
                 for n, p in paths.items()}
     return TeacherRouter(teachers, cfg.routing, cfg.mixture_kind, cfg.mixture_weights, cfg.domain_mixture_weights)

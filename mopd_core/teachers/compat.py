@@ -140,7 +140,8 @@ def check_compatibility(router: TeacherRouter, student_tokenizer, recipe: Recipe
     fmt = PromptFormatter(student_tokenizer, recipe.data.chat)
     student_fp = tokenizer_fingerprint(student_tokenizer)
     report = CompatReport()
-    for name, t in router.teachers.items():
+    for name, cached in router.teachers.items():
+        t = cached.uncached()  # the model itself: a score cache would answer the second scoring from the first
         names = [name] if router.routing == "domain" else list(domains)
         probe = probe_for(fmt, domains, names, cfg.probe_rows)
         tok_row = _tokenizer_row(name, student_fp, t, mappable)

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..models import ModelError, load_tokenizer, tokenizer_fingerprint
+from ..models import ModelError, checkpoint_files_identity, load_tokenizer, tokenizer_fingerprint
 from ..rollout import RolloutBatch
 from ..serving import ServerUnavailable, Supervisor
 from . import Teacher, TeacherError, TeacherRouter, TeacherScore
@@ -101,6 +101,16 @@ class HttpTeacher(Teacher):
     def path(self) -> str:
         """What the router names in messages: the served checkpoint when known, else the URL."""
         return f"{self.checkpoint} @ {self.url}" if self.checkpoint else self.url
+
+    def cache_identity(self) -> dict | None:
+        """The served checkpoint's files (when the manifest names it), the served model name, tokenizer and
+        temperature; None for an endpoint whose weights are not known here (`teachers.endpoints` without a
+        checkpoint): such a teacher is never cached."""
+        files = checkpoint_files_identity(self.checkpoint) if self.checkpoint else None
+        if files is None:
+            return None
+        return {"kind": "http", "weights": files, "model": self.model, "tokenizer": self.fingerprint,
+                "temperature": self.temperature}
 
     # -- plumbing --------------------------------------------------------------------------------------------
     def _models(self, connect_retries: int) -> dict:

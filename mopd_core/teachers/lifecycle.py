@@ -28,6 +28,7 @@ from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from ..runtime import device as devlib
 from ..serving import VllmServers
 from . import TeacherError, TeacherRouter, build_local_router, check_routing
+from .cache import with_score_cache
 from .http import build_http_router, load_manifest
 
 
@@ -214,7 +215,9 @@ def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], stud
     `endpoints`: teachers already running — a `serving.VllmServers` (restarts dead servers) or a manifest
     (path or dict `{teacher_id: url | {url, …}}`); used as they are, nothing is started or stopped.
     `local`: for `teachers.backend: local`, the scorers already built elsewhere (`{name: Teacher}`, e.g. on the
-    training workers: `distributed.teachers`) instead of in-process `LocalTeacher`s."""
+    training workers: `distributed.teachers`) instead of in-process `LocalTeacher`s.
+    With `teachers.score_cache` and a `stage_dir`, every teacher whose identity is known scores through the cache in
+    `<stage_dir>/teacher_cache/` (`teachers.cache`)."""
     if endpoints is not None and recipe.teachers.backend != "http":
         raise TeacherError("teacher endpoints were given but teachers.backend is "
                            f"'{recipe.teachers.backend}' — set teachers.backend=http")
@@ -223,6 +226,16 @@ def open_teachers(recipe: RecipeConfig, teachers: Mapping[str, str | Path], stud
         named = external.keys() if isinstance(external, dict) else (None if external else teachers.keys())
         if named is not None:
             check_routing(recipe.domain_names(), named)
+    ts = _open(recipe, teachers, student, stage_dir, endpoints, local, external)
+    if recipe.teachers.score_cache and stage_dir is not None:
+        t = recipe.teachers
+        with_score_cache(ts.router, Path(stage_dir) / "teacher_cache", t.score_cache_gb,
+                         {"backend": t.backend, "temperature": t.temperature, "server_dtype": t.server_dtype,
+                          "runtime_dtype": recipe.runtime.dtype})
+    return ts
+
+
+def _open(recipe: RecipeConfig, teachers, student, stage_dir, endpoints, local, external) -> TeacherSet:
     dinfo = devlib.resolve(recipe.runtime.device)
     backend = recipe.teachers.backend
     source = endpoints or recipe.teachers.endpoints

@@ -46,36 +46,14 @@ def build_models(recipe, device=None) -> tuple[Path, dict[str, Path]]:
     return base, teachers
 
 
-def estimate_mib(recipe, n_params: int) -> dict[str, dict[str, float]]:
-    """Per phase (MiB): `preflight` = what `check_colocated_fit` returns with the pre-flight's arguments (float32
-    master weights + gradients + AdamW, one micro-batch's activations, bf16 teachers one at a time);
-    `with_kv_and_scoring` = the same plus what those leave out: the HF sampler's preallocated KV cache (rollout), a
-    teacher's transient forward over the batch (score), and autocast's bf16 copy of the float32 weights, which
-    autocast keeps for as long as its context lasts (the update; the eager sampler — a captured one casts inside
-    its graph)."""
+def estimate_mib(recipe, base: Path, teachers: dict[str, Path], kind: str) -> dict[str, dict[str, float]]:
+    """Per phase (MiB) what the pre-flight estimates (`preflight.stage_memory`: float32 master weights + gradients
+    + AdamW, one micro-batch's activations and autocast's weight copy, the sampler's KV cache and weight copies,
+    a bf16 teacher and its forward, one at a time), and its transient terms."""
     from mopd_core import preflight
-    from mopd_core.runtime.phases import check_colocated_fit, forward_activation_bytes, kv_cache_bytes
 
-    t, m = recipe.model.tiny, recipe.mopd
-    b = {"float32": 4, "bfloat16": 2, "float16": 2}[recipe.runtime.dtype]
-    shape = (t.hidden_size, t.num_layers, t.vocab_size)
-    common = dict(kind="cpu", limit_gib=1e6, student_bytes=n_params * 4, optimizer_factor=2.0,
-                  teacher_bytes={d: n_params * b for d in recipe.expert_domains()}, teachers_offload=True,
-                  placement=recipe.runtime.placement,
-                  activations=preflight.update_activation_bytes(recipe, "student", shape))
-    rows = m.prompts_per_step * m.group_size
-    kv_dim = (t.num_kv_heads or t.num_heads) * (t.hidden_size // t.num_heads)
-    cast = n_params * b if recipe.runtime.dtype != "float32" else 0
-    terms = {"kv_cache": kv_cache_bytes(rows, recipe.max_seq_len(), t.num_layers, kv_dim, b),
-             "teacher_forward": forward_activation_bytes(rows * recipe.max_seq_len(), t.hidden_size,
-                                                         t.intermediate_size, b),
-             "autocast_weight_copy": cast, "activations": common["activations"], "student_fp32": n_params * 4}
-    more = dict(common, activations=common["activations"] + cast,
-                sampling=terms["kv_cache"] + (cast if recipe.rollout.backend == "hf" else 0),
-                scoring=terms["teacher_forward"])
-    return {"preflight": _phase_keys(check_colocated_fit(**common)),
-            "with_kv_and_scoring": _phase_keys(check_colocated_fit(**more)),
-            "terms_mib": {k: v / 2**20 for k, v in terms.items()}}
+    est = preflight.stage_memory(recipe, "student", kind, base, teachers)
+    return {"preflight": _phase_keys(est["needs_mib"]), "terms_mib": est["terms_mib"]}
 
 
 def _phase_keys(need: dict[str, float]) -> dict[str, float]:
@@ -122,18 +100,24 @@ def run_stage(recipe, device=None) -> dict:
     stage_s = time.perf_counter() - t1
     rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keys = ("step", "perf/rollout_s", "perf/score_s", "perf/train_s", "perf/step_s", "perf/rollout_tokens_per_s",
-            "perf/train_tokens_per_s", "perf/micro_batches", "perf/pad_frac", "loss", "grad_norm", "adv/kd_mean")
+            "perf/train_tokens_per_s", "perf/micro_batches", "perf/pad_frac", "perf/optim_offload_s",
+            "perf/optim_restore_s", "loss", "grad_norm", "adv/kd_mean")
     steps = [{**{k: r.get(k) for k in keys}, **{k: v for k, v in r.items() if k.startswith("length/")}}
              for r in rows]
     with torch.device("meta"):
         n = num_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base))))
-    est = estimate_mib(recipe, n)
+    from mopd_core.runtime.device import kind_of
+
+    est = estimate_mib(recipe, base, teachers, kind_of(device) if device is not None else "cpu")
     meas = measured_phases(stage_dir)
-    ratios = {p: (meas[p]["peak_mib"] / est["with_kv_and_scoring"][p]
-                  if p in meas and meas[p]["peak_mib"] and est["with_kv_and_scoring"].get(p) else None)
+    ratios = {p: (meas[p]["peak_mib"] / est["preflight"][p]
+                  if p in meas and meas[p]["peak_mib"] and est["preflight"].get(p) else None)
               for p in ("rollout", "score", "train")}
     loop_s = sum(s["perf/step_s"] or 0.0 for s in steps)
-    return {"params": n, "steps": steps,
+    from torch._dynamo.utils import counters  # lib: torch 2.x — did train.compile's layers run compiled?
+
+    compiled = {k: dict(counters[k]) for k in ("stats", "frames", "graph_break", "recompiles") if counters.get(k)}
+    return {"params": n, "steps": steps, "dynamo_counters": compiled,
             "phases_measured_mib": meas, "estimate_mib": est, "peak_over_estimate": ratios,
             "within_25pct": {p: (None if r is None else abs(r - 1) <= 0.25) for p, r in ratios.items()},
             "build_s": build_s, "stage_s": stage_s, "stage_other_s": stage_s - loop_s,

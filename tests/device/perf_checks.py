@@ -593,6 +593,8 @@ def _stage_overrides(device, tiny: bool, where: Path, fast: str | None) -> tuple
     the same engine, uncaptured on the CPU), else the eager one capped at EAGER_FALLBACK_NEW_TOKENS (the note says
     so)."""
     over, note = [f"output_dir={where}"], None
+    if os.environ.get("GPU_SCALE_STEPS"):  # a short lease: fewer steps (the first carries the compile warm-up)
+        over.append(f"mopd.steps={int(os.environ['GPU_SCALE_STEPS'])}")
     if fast is not None:
         over.append(f"rollout.backend={fast}")
     if tiny:
@@ -640,6 +642,7 @@ def check_stage(device, tiny: bool) -> dict:
 # ---------------------------------------------------------------- 6. TRL's DistillationTrainer on the same device
 
 TRL_NEW_TOKENS = int(os.environ.get("TRL_NEW_TOKENS", "512"))
+TRL_STEPS = int(os.environ.get("TRL_STEPS", "2"))  # 1 on a short lease: that step then carries the warm-up
 
 
 def check_trl(device, tiny: bool, budget_s: float) -> dict:
@@ -677,7 +680,8 @@ def check_trl(device, tiny: bool, budget_s: float) -> dict:
     rows = [{"prompt": [{"role": "user", "content": f"{i}+{i + 7}="}]} for i in range(prompts) for _ in range(group)]
     out_dir = tempfile.mkdtemp(prefix="trl-")
     targs = DistillationConfig(
-        output_dir=out_dir, max_steps=2, per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1,
+        output_dir=out_dir, max_steps=TRL_STEPS, per_device_train_batch_size=prompts * group,
+        gradient_accumulation_steps=1,
         learning_rate=cfg.mopd.lr, lr_scheduler_type="constant", max_grad_norm=cfg.mopd.grad_clip, beta=1.0,
         temperature=cfg.rollout.temperature, max_completion_length=new, generation_kwargs={"min_new_tokens": new},
         bf16=not tiny, gradient_checkpointing=True, use_liger_kernel=liger, use_cpu=tiny, shuffle_dataset=False,

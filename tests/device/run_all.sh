@@ -53,8 +53,8 @@ t_install=$(( $(date +%s) - t_all ))
 
 RUN_PERF=${SKIP_PERF:+0}; RUN_PERF=${RUN_PERF:-1}
 if [ "$#" -eq 1 ] && [ "$1" = perf ]; then FILES=(); RUN_PERF=1
-elif [ "$#" -eq 1 ] && [ "$1" = quick ]; then  # the files new or changed since the last GPU run (81997e3), + perf
-  FILES=(test_device_layer.py test_fsdp2.py test_colocated_offload.py test_graphed_sampler_device.py)
+elif [ "$#" -eq 1 ] && [ "$1" = quick ]; then  # the files whose code changed since the last GPU run (2f7ce71), + perf
+  FILES=(test_device_layer.py test_colocated_offload.py)
 elif [ "$#" -gt 0 ]; then FILES=("$@"); RUN_PERF=0; else
   FILES=(test_device_layer.py test_cuda_ipc.py test_chunked_logprobs.py test_graphed_sampler_device.py test_fsdp2.py
          test_colocated_offload.py test_vllm_rollout.py test_vllm_ipc.py test_colocated_step.py test_async_benchmark.py)

@@ -105,13 +105,15 @@ def _stage_md(st: dict) -> list[str]:
                    f"{_f(s['perf/train_s'], 2)} | {_f(s['perf/step_s'], 2)} | "
                    f"{_f(s['perf/rollout_tokens_per_s'], 0)} | {_f(s['perf/train_tokens_per_s'], 0)} |")
     est, meas = st.get("estimate_mib", {}), st.get("phases_measured_mib", {})
-    out += ["", "| phase | measured peak GiB | pre-flight estimate GiB | + KV cache / teacher forward GiB | "
+    terms = est.get("terms_mib", {})
+    what = {"rollout": "sampling", "score": "scoring", "train": "activations"}
+    out += ["", "| phase | measured peak GiB | pre-flight estimate GiB | of which transient GiB | "
             "measured ÷ estimate |", "|---|---|---|---|---|"]
     for p in ("rollout", "score", "train"):
         m = (meas.get(p) or {}).get("peak_mib")
         out.append(f"| {p} | {_f(m / 1024 if m else None, 1)} | "
                    f"{_f(est.get('preflight', {}).get(p, 0) / 1024, 1)} | "
-                   f"{_f(est.get('with_kv_and_scoring', {}).get(p, 0) / 1024, 1)} | "
+                   f"{_f(terms.get(what[p], 0) / 1024, 1)} ({what[p]}) | "
                    f"{_f((st.get('peak_over_estimate') or {}).get(p), 2)} |")
     return out + [""]
 

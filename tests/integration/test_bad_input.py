@@ -431,13 +431,13 @@ def test_missing_device_fails_before_the_base_is_built(tmp_path):
 
 
 def test_colocated_memory_budget_fails_before_any_folder(tiny_model, tmp_path):
-    from mopd_core.models import inspect_checkpoint, model_shape
+    from mopd_core.models import inspect_checkpoint, model_shape, model_widths
     from mopd_core.runtime.phases import ColocationError
 
     info = inspect_checkpoint(tiny_model)
     gib = info.num_params * 4 / 2**30
     act = R.preflight.update_activation_bytes(load_config("tiny", tiny_overrides(tmp_path / "out")), "student",
-                                              model_shape(info.config)) / 2**30
+                                              model_shape(info.config), model_widths(info.config)) / 2**30
     # train = weights + grads + 2 AdamW moments = 4w (+ one micro-batch's activations); three teachers resident
     # (offload=false) add 3w
     cfg = load_config("tiny", tiny_overrides(tmp_path / "out") + [f"runtime.memory_limit_gib={6 * gib + act}",

@@ -113,9 +113,10 @@ def test_plan_that_cannot_fit_fails_before_compute(trained, tmp_path):
     # 4w (train, + one micro-batch's activations) and 2w (student + one teacher) fit 4.5w; student + three resident
     # teachers (4w) + grads/optim do not
     from mopd_core import preflight
-    from mopd_core.models import inspect_checkpoint, model_shape
+    from mopd_core.models import inspect_checkpoint, model_shape, model_widths
 
-    act = preflight.update_activation_bytes(cfg, "student", model_shape(inspect_checkpoint(sft).config))
+    conf = inspect_checkpoint(sft).config
+    act = preflight.update_activation_bytes(cfg, "student", model_shape(conf), model_widths(conf))
     budget = 4.5 * w + act / 2**30
     ok = _stage(cfg, sft, teachers, tmp_path / "ok", runtime__memory_limit_gib=budget, teachers__offload=True)
     assert (ok.stage_dir / "final").exists()

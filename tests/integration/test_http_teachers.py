@@ -162,6 +162,38 @@ def test_http_equals_local_domain_routing(servers, world):
 
 
 @e2e_vllm
+def test_http_teachers_score_through_the_cache(servers, world, tmp_path):
+    """Served teachers key on their manifest's checkpoint: a second router over the same cache folder (a resumed
+    stage) sends no request and returns the very numbers, top-k included."""
+    from mopd_core.teachers.cache import CachedTeacher, with_score_cache
+    from mopd_core.teachers.http import build_http_router
+
+    man = servers.manifest()
+    routes = {"math": "m0", "code": "m1", "if": "m0"}
+
+    def router():
+        r = build_http_router({tid: man[s] for tid, s in routes.items()}, _cfg(), world["tok"], max_seq_len=MAX_SEQ)
+        return with_score_cache(r, tmp_path / "cache", 1.0, {"backend": "http"})
+
+    b = world["batch"]
+    first, again = router(), router()
+    try:
+        assert all(isinstance(t, CachedTeacher) for t in first.teachers.values())
+        a = first.score(b, 4)
+        assert all(s["calls"] == 1 and s["cache_misses"] > 0 for s in first.stats().values())
+        before = again.stats()  # building a router already asked /tokenize: count the scoring requests only
+        c = again.score(b, 4)
+        after = again.stats()
+        assert all(after[t]["requests"] == before[t]["requests"] and after[t]["calls"] == 0
+                   and after[t]["cache_hits"] > 0 and after[t]["cache_misses"] == 0 for t in routes)
+        assert torch.equal(a.logp, c.logp) and torch.equal(a.topk_ids, c.topk_ids)
+        assert torch.equal(a.topk_logp, c.topk_logp)
+    finally:
+        first.close()
+        again.close()
+
+
+@e2e_vllm
 @pytest.mark.parametrize("kind", ["arithmetic", "geometric"])
 def test_http_equals_local_mixture(servers, world, kind):
     from mopd_core.teachers import LocalTeacher, TeacherRouter

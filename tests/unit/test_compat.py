@@ -264,3 +264,24 @@ def test_http_teachers_render_through_the_server_and_fail_when_noisy_or_unnormal
         assert list(fails) == ["logprob_mode"]
         assert fails["logprob_mode"].startswith("compat: teacher 'math': logprob_mode: logsumexp of its top-5 "
                                                 "log-probs (≤ 0): ")
+
+
+def test_behind_the_score_cache_the_checks_ask_the_model_not_the_cache(world, tmp_path):
+    """Every MOPD stage scores through the teacher-score cache (teachers.score_cache): the second scoring of the
+    determinism check would be the first one read back. The pre-flight asks the teacher inside, writes nothing
+    into the cache and leaves its counters alone."""
+    from mopd_core.teachers.cache import with_score_cache
+
+    router = _router(world[0])
+    t = router.teachers["math"]
+    for m in t.model.modules():
+        if m.__class__.__name__.endswith("Attention"):
+            m.attention_dropout = 0.5
+    t.model.train()
+    with_score_cache(router, tmp_path / "cache", 1.0, {})
+    before = {n: dict(c.stats) for n, c in router.teachers.items()}
+    report = _report(world, router)
+    assert [r.line().split(":")[1:3] for r in report.rows if r.status == "fail"] == [[" teacher 'math'",
+                                                                                     " determinism"]]
+    assert {n: c.stats for n, c in router.teachers.items()} == before
+    assert not list((tmp_path / "cache").glob("*.seg"))

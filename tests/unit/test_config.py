@@ -154,7 +154,7 @@ def test_the_per_rank_estimate_of_the_open_mopd_preset():
 
     def check(*overrides):
         cfg = load_config("open_mopd_smollm3", ["runtime.memory_limit_gib=80", *overrides])
-        preflight._check_memory(cfg, "student", "cuda", smol, {})
+        preflight.memory_needs(cfg, "student", "cuda", smol, {})
 
     check()
     with pytest.raises(ColocationError) as e:

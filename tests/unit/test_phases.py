@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mopd_core.runtime.phases import ColocationError, check_colocated_fit, fsdp_gathered_bytes
 
@@ -79,3 +80,44 @@ def test_fsdp_cpu_offload_leaves_only_the_gathered_units_on_the_device():
     n = 2 * vocab * hidden + layers * per_layer
     assert fsdp_gathered_bytes(n, (hidden, layers, vocab), 2) == (2 * vocab * hidden + per_layer) * 2
     assert fsdp_gathered_bytes(n, None, 4) == n * 4  # shape unknown: the whole model
+
+
+def _saved_bytes_per_token_layer(hidden: int, inter: int, heads: int, kv_heads: int, autocast: bool) -> float:
+    """What autograd keeps for the backward of a 2-layer Qwen3 body (saved_tensors_hooks, each storage once, the
+    parameters and their bf16 copies left out), per token and layer."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, num_hidden_layers=2, vocab_size=128, head_dim=hidden // heads,
+                      attn_implementation="sdpa")
+    m = AutoModelForCausalLM.from_config(cfg).float().train()
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    casts = {tuple(p.shape) for p in m.parameters() if p.dim() == 2}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and not (t.dtype == torch.bfloat16 and tuple(t.shape) in casts):
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    rows, T = 2, 128
+    ids = torch.randint(0, 128, (rows, T))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        m.model(input_ids=ids)
+    return sum(seen.values()) / (rows * T * 2)
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_the_activation_estimate_matches_what_autograd_saves(autocast):
+    """The update's activation estimate against the bytes autograd really keeps, on a layer shape the estimate's
+    constants were not fitted on (catches an estimate that drifts from transformers' layers — the H200 stage
+    measured 1.4× the earlier 34·H count)."""
+    from mopd_core.runtime.phases import layer_activation_bytes
+
+    hidden, inter, heads, kv_heads = 192, 640, 6, 2
+    measured = _saved_bytes_per_token_layer(hidden, inter, heads, kv_heads, autocast)
+    est = layer_activation_bytes(hidden, inter, kv_heads * hidden // heads, dtype_bytes=2 if autocast else 4)
+    assert 0.85 < est / measured < 1.15, (est, measured)

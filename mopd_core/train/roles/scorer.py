@@ -17,7 +17,8 @@ from ..pipeline import Produced
 from .context import StageContext
 
 _STAT_METRICS = (("seconds", "score_s"), ("tokens", "tokens"), ("requests", "requests"), ("retries", "retries"),
-                 ("restarts", "restarts"))
+                 ("restarts", "restarts"), ("cache_hits", "cache_hits"), ("cache_misses", "cache_misses"),
+                 ("cache_saved_s", "cache_saved_s"))
 
 
 class Scorer:
@@ -67,11 +68,16 @@ def rewards(domains, batch: RolloutBatch, truncated: list[bool] | None = None) -
 
 
 def teacher_stat_deltas(before: dict, after: dict) -> dict[str, float]:
-    """teacher/<t>/{score_s,tokens,requests,retries,restarts}: this step's share of each teacher's counters."""
+    """teacher/<t>/{score_s,tokens,requests,retries,restarts,cache_hits,cache_misses,cache_saved_s}: this step's
+    share of each teacher's counters; with the score cache also `perf/teacher_cache_saved_s`, the teacher-seconds
+    the step's cache hits saved, all teachers together."""
     out = {}
     for t, st in after.items():
         b = before.get(t, {})
         for key, name in _STAT_METRICS:
             if key in st:
                 out[f"teacher/{t}/{name}"] = float(st[key] - b.get(key, 0))
+    saved = [v for k, v in out.items() if k.endswith("/cache_saved_s")]
+    if saved:
+        out["perf/teacher_cache_saved_s"] = sum(saved)
     return out
