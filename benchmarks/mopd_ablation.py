@@ -57,6 +57,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "k4_refresh": ("+ reward refresh (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP,
                                                           "mopd.reward_refresh=true"]),
     "dense": ("dense top-K RKL (naive otherwise)", ["mopd.kd_loss=topk_rkl"]),
+    "k4_share_gap_rl": ("+ reward term w_rl=1 (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP, "mopd.w_rl=1"]),
+    "k8_share_gap": ("+ share + gap, K=8", ["mopd.minibatches=8", *SHARE_GAP]),
 }
 # Open-MOPD's numbers for the same rows (SmolLM3-3B, total of AIME/LCB/IFEval; MixSFT 25.67, experts 32.35)
 PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
