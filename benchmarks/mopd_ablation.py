@@ -57,8 +57,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "k4_refresh": ("+ reward refresh (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP,
                                                           "mopd.reward_refresh=true"]),
     "dense": ("dense top-K RKL (naive otherwise)", ["mopd.kd_loss=topk_rkl"]),
-    "k4_share_gap_rl": ("+ reward term w_rl=1 (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP, "mopd.w_rl=1"]),
+    # beyond the paper's table: the seeds' joint objective (AReaL: RL loss + distillation loss; the verifier's
+    # reward is per sequence, so a one-token answer's reward advantage is as large as a long one's) and more
+    # optimizer steps per rollout batch
+    "k4_share": ("K=4 + token-share (no gap)", ["mopd.minibatches=4", "mopd.balance=tokens"]),
+    "k4_share_gap_rl": ("+ share + gap, K=4, + reward w_rl=1", ["mopd.minibatches=4", *SHARE_GAP, "mopd.w_rl=1"]),
+    "k4_refresh_rl": ("+ refresh (share + gap, K=4), + reward w_rl=1",
+                      ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.w_rl=1"]),
     "k8_share_gap": ("+ share + gap, K=8", ["mopd.minibatches=8", *SHARE_GAP]),
+    "k8_refresh": ("+ refresh (share + gap, K=8)", ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true"]),
 }
 # Open-MOPD's numbers for the same rows (SmolLM3-3B, total of AIME/LCB/IFEval; MixSFT 25.67, experts 32.35)
 PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
@@ -257,6 +264,11 @@ def _pm(x: dict, scale: float = 100.0, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(scale * x['mean'])} ± {fmt.format(scale * x['std'])}"
 
 
+def _accelerator(result: dict) -> str:
+    acc = result.get("accelerator")
+    return f"; training and sampling on {acc}" if acc else ""
+
+
 def markdown(result: dict) -> str:
     summ, mach, domains = result.get("summary") or {}, result["machine"], result["domains"]
     seeds = sorted(int(s) for s in result["per_seed"])
@@ -264,7 +276,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Open-MOPD ablation on `{result['config']}` ({state})", "",
              f"Seeds {', '.join(map(str, seeds))}; {mach['cpu_model']} ({mach['cpu_count']} cores; torch "
              f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
-             f"{mach['python']}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
+             f"{mach['python']}{_accelerator(result)}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
              f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end, "
              "this benchmark's own processes included; above one per core the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
@@ -360,7 +372,13 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
                 if found:
                     vr["tokens"] = token_shares(found[0], p["domains"])
     res = dict(parts[0])
-    res["per_seed"] = {k: v for p in parts for k, v in p["per_seed"].items()}
+    res["per_seed"] = {}
+    for p in parts:  # one seed's variants may be split over invocations that shared its SFT model and experts
+        for k, v in p["per_seed"].items():
+            have = res["per_seed"].setdefault(k, {**v, "variants": {}, "wall_s": {}, "accuracy": {}})
+            for key in ("variants", "wall_s", "accuracy", "greedy"):
+                have.setdefault(key, {}).update(v.get(key) or {})
+    res["variants"] = [v for v in VARIANTS if any(v in s["variants"] for s in res["per_seed"].values())]
     res["seeds"] = sorted(int(k) for k in res["per_seed"])
     res["skipped"] = {k: v for p in parts for k, v in p["skipped"].items()}
     res["invocations"] = [i for p in parts for i in (p.get("invocations") or [{"command": p["command"]}])]
@@ -375,6 +393,20 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
     outp.with_suffix(".md").write_text(markdown(res) + "\n")
     print(markdown(res))
     return 0
+
+
+def _accelerator_name(cfg) -> str | None:
+    """The GPU the stages ran on (None on a CPU), with the library versions that set its float paths."""
+    import torch
+
+    from mopd_core.runtime.device import resolve
+
+    if resolve(cfg.runtime.device).kind != "cuda":
+        return None
+    import transformers
+
+    return (f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"transformers {transformers.__version__})")
 
 
 def _git_head() -> str | None:
@@ -424,7 +456,8 @@ def main(argv=None) -> int:
               # sampled accuracy when the preset asks for it (Open-MOPD reports avg@k): greedy decoding turns any
               # probability above one half into a right answer, which hides a domain served only half way
               "metric": f"mean@{cfg.eval.mean_at_k}" if cfg.eval.mean_at_k else "greedy",
-              "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started"}
+              "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started",
+              "accelerator": _accelerator_name(cfg)}
     result["invocations"] = [{"command": result["command"], "commit": _git_head()}]
     prior_wall = 0.0
     if args.resume and outp.exists():

@@ -45,10 +45,10 @@ METHODS = ("mopd", "grpo")
 
 def load_cfg(args, extra=()):
     """`--config` with the peers' base overrides (seed 0, cpu, threads); another preset than tiny builds under its
-    own name, so the tiny build cached for vs_trl is reused and never overwritten."""
+    own name (its run dir: run-dir/<config>), so the tiny build cached for vs_trl is reused and never overwritten."""
     from mopd_core.config import load_config
 
-    name = [] if args.config == "tiny" else [f"name=build-{args.config}"]
+    name = [] if args.config == "tiny" else [f"name={args.config}"]
     return load_config(args.config, vs_trl.base_overrides(args) + name + list(extra))
 
 
