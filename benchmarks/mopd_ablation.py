@@ -66,6 +66,16 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                       ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.w_rl=1"]),
     "k8_share_gap": ("+ share + gap, K=8", ["mopd.minibatches=8", *SHARE_GAP]),
     "k8_refresh": ("+ refresh (share + gap, K=8)", ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true"]),
+    # Open-MOPD's own objective is the dense top-K reverse KL: for a one-token answer it scores every candidate
+    # digit of every sample, where the sampled-token estimate sees one
+    "k4_share_gap_dense": ("+ share + gap, K=4, dense top-K RKL",
+                           ["mopd.minibatches=4", *SHARE_GAP, "mopd.kd_loss=topk_rkl"]),
+    "k4_refresh_dense": ("+ refresh (share + gap, K=4), dense top-K RKL",
+                         ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
+    "k4_share_gap_dense_rl": ("+ share + gap, K=4, dense top-K RKL, + reward w_rl=1",
+                              ["mopd.minibatches=4", *SHARE_GAP, "mopd.kd_loss=topk_rkl", "mopd.w_rl=1"]),
+    "k8_refresh_dense": ("+ refresh (share + gap, K=8), dense top-K RKL",
+                         ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
 }
 # Open-MOPD's numbers for the same rows (SmolLM3-3B, total of AIME/LCB/IFEval; MixSFT 25.67, experts 32.35)
 PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
@@ -376,8 +386,9 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
     for p in parts:  # one seed's variants may be split over invocations that shared its SFT model and experts
         for k, v in p["per_seed"].items():
             have = res["per_seed"].setdefault(k, {**v, "variants": {}, "wall_s": {}, "accuracy": {}})
-            for key in ("variants", "wall_s", "accuracy", "greedy"):
-                have.setdefault(key, {}).update(v.get(key) or {})
+            have["variants"].update(v["variants"])
+            for key in ("wall_s", "accuracy", "greedy"):  # the invocation that trained a stage timed it: first wins
+                have[key] = {**(v.get(key) or {}), **have.get(key, {})}
     res["variants"] = [v for v in VARIANTS if any(v in s["variants"] for s in res["per_seed"].values())]
     res["seeds"] = sorted(int(k) for k in res["per_seed"])
     res["skipped"] = {k: v for p in parts for k, v in p["skipped"].items()}
