@@ -4,14 +4,14 @@
 # second waits for the seed's SFT model and experts and reuses them (stage fingerprints) — then --collect merges
 # them. Needs the carried wheels (tests/device/fetch_wheels.sh → .whl, name `.whl` in the run's carry).
 #
-#   OUT=/some/dir benchmarks/mopd_ablation_device.sh        # SEEDS, GROUPS (variant lists), LIMIT_S to change
+#   OUT=/some/dir benchmarks/mopd_ablation_device.sh        # SEEDS, VGROUPS (variant lists), LIMIT_S to change
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTD=${OUT:-runs/abl-device}
 RUN=${RUN_DIR:-/tmp/abl}
 SEEDS=${SEEDS:-0 1 2 3 4}
 # variant groups, one invocation each per seed: the first trains the seed's stages, the others wait for them
-GROUPS=${GROUPS:-"naive,share,share_gap,k4,k4_share_gap,k4_refresh dense,k4_share,k4_share_gap_rl,k4_refresh_rl,k8_share_gap,k8_refresh"}
+VGROUPS=${VGROUPS:-"naive,share,share_gap,k4,k4_share_gap,k4_refresh dense,k4_share,k4_share_gap_rl,k4_refresh_rl,k8_share_gap,k8_refresh"}
 LIMIT_S=${LIMIT_S:-470}
 PY=${PY:-python3}
 mkdir -p "$OUTD" "$RUN"
@@ -23,7 +23,7 @@ fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 nvidia-smi -L; "$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'
 SET=(--set runtime.device=cuda --set runtime.num_threads=1)
-read -r -a G <<<"$GROUPS"
+read -r -a G <<<"$VGROUPS"
 for s in $SEEDS; do
   timeout "$LIMIT_S" "$PY" benchmarks/mopd_ablation.py --seeds "$s" --variants "${G[0]}" "${SET[@]}" \
     --output-dir "$RUN" --out "$RUN/g0s$s.json" >"$RUN/g0s$s.log" 2>&1 &
