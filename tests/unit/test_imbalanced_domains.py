@@ -177,6 +177,6 @@ def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_o
     knobs = ("kd_loss", "minibatches", "balance", "gap_following", "reward_refresh", "w_rl")
     assert all(k in preset.model_fields_set for k in knobs)  # written in the YAML, not taken from a default
     naive = ab.variant_config(args, 0, ab.VARIANTS["naive"][1]).mopd
-    assert tuple(naive.model_dump()[k] for k in knobs) == ("sampled_rkl", 1, "none", False, False, 0.0)
+    assert tuple(dict(naive)[k] for k in knobs) == ("sampled_rkl", 1, "none", False, False, 0.0)
     share = ab.variant_config(args, 0, ab.VARIANTS["share"][1]).mopd
     assert (share.balance, share.minibatches, share.kd_loss) == ("tokens", 1, "sampled_rkl")
