@@ -14,13 +14,14 @@ domain (first eval point at or above it), and the seesaw under joint GRPO (inter
 Seeds are sampling streams (the loop seeds its prompts and samples by (seed, stage, step); we vary the stage name):
 `recipe.seed` fixes the domains' train/held-out split, which the SFT model and experts were trained on.
 
-    .venv/bin/python benchmarks/sample_efficiency.py                      # seeds 0,1, 100 steps, eval every 10
-    .venv/bin/python benchmarks/sample_efficiency.py --config tiny_sparse --steps 30 --grpo-steps 150 \
-        --eval-every 5 --out benchmarks/results/sample_efficiency_sparse     # the sparse-reward preset
+    .venv/bin/python benchmarks/sample_efficiency.py   # tiny_sparse, seeds 0,1,2: MOPD 20 steps, GRPO 50, eval every 2
+    .venv/bin/python benchmarks/sample_efficiency.py --config tiny --seeds 0,1 --steps 80 --grpo-steps 0 \
+        --eval-every 10 --out benchmarks/results/sample_efficiency_tiny       # the tiny recipe's three domains
 
 `configs/tiny_sparse.yaml` is the preset where the effect the recipe exists for shows: one sparse-reward domain
 (`caps`, an answer rewarded only when all its letters are right), on which GRPO from SFT sees a reward in few
-groups while the teacher scores every token.
+groups while the teacher scores every token. Each method runs with its own recipe's batch (GRPO the expert's,
+MOPD the preset's `mopd`), so the x axis is samples, not steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import peer_stats as ps  # noqa: E402
 import vs_trl  # noqa: E402
+from tiny_recipe import machine_info  # noqa: E402
 
 METHODS = ("mopd", "grpo")
 
@@ -72,13 +74,17 @@ def method_steps(args, method: str) -> int:
 
 def stage_cfg(args, method: str):
     steps = method_steps(args, method)
-    cfg = load_cfg(args, [f"mopd.steps={steps}", f"mopd.save_every={steps}", f"mopd.eval_every={args.eval_every}"])
+    extra = args.grpo_set if method == "grpo" else []  # e.g. expert.prompts_per_step=16: GRPO at another batch
+    cfg = load_cfg(args, [f"mopd.steps={steps}", f"mopd.save_every={steps}", f"mopd.eval_every={args.eval_every}",
+                          "eval.mean_at_k=0", *extra])  # the curves are greedy; a preset's mean@k costs k samples
     if method == "grpo":  # the expert RL recipe on all domains jointly, at MOPD's budget and mix
         e = cfg.expert
         cfg.mopd = cfg.mopd.model_copy(update={
             "w_kd": 0.0, "w_rl": 1.0, "lr": e.lr, "warmup_steps": e.warmup_steps, "weight_decay": e.weight_decay,
             "betas": e.betas, "grad_clip": e.grad_clip, "clip_low": e.clip_low, "clip_high": e.clip_high,
-            "scale_by_std": e.scale_by_std, "minibatches": e.minibatches})
+            "scale_by_std": e.scale_by_std, "minibatches": e.minibatches,
+            # and its batch: a group to find the rare rewarded sample in (tiny: the same 32 × 8 as MOPD's)
+            "prompts_per_step": e.prompts_per_step, "group_size": e.group_size})
     return cfg
 
 
@@ -148,7 +154,8 @@ def _cross_str(vals: list) -> str:
 
 def _budget(res: dict) -> str:
     steps = res.get("method_steps", {m: res["steps"] for m in METHODS})
-    return "; ".join(f"{m} {steps[m]} steps × {res['per_step']} samples = {steps[m] * res['per_step']} samples"
+    per = res.get("method_per_step", {m: res["per_step"] for m in METHODS})
+    return "; ".join(f"{m} {steps[m]} steps × {per[m]} samples = {steps[m] * per[m]} samples"
                      for m in METHODS) + " per run"
 
 
@@ -172,7 +179,8 @@ def render(res: dict) -> str:
     lines = [f"# Sample efficiency: MOPD vs joint multi-domain GRPO ({mc['cpu']}, {mc['cores']} cores, "
              f"{mc['threads']} torch thread(s), torch {mc['torch']})", "",
              f"`benchmarks/sample_efficiency.py --config {res.get('config', 'tiny')}` — from the preset's SFT model "
-             f"(seed 0); {_budget(res)}, mix "
+             f"(seed 0); {_budget(res)}"
+             + (f" (GRPO arm: `{' '.join(res['grpo_set'])}`)" if res.get("grpo_set") else "") + ", mix "
              f"{res['mix']}, held-out greedy accuracy every {res['eval_every']} steps ({res['eval_size']} prompts per "
              f"domain), seeds {res['seeds']} (sampling streams; mean ± std over them). Ran beside other jobs on the "
              f"2-core machine (accuracy does not depend on it; load average {_load(res)}). Total wall "
@@ -186,7 +194,8 @@ def render(res: dict) -> str:
     lines.append(ps.md_table(["method"] + doms, [[m] + [_cross_str(a["cross"][m][d]) for d in doms]
                                                   for m in METHODS if a["cross"].get(m)]))
     lines += ["", "## GRPO's samples ÷ MOPD's to reach 90 % of the expert, per seed", ""]
-    lines.append(ps.md_table(["domain"] + [f"seed {s} (MOPD / GRPO samples)" for s in sorted({r["seed"] for r in res["runs"]})] +
+    seeds = sorted({r["seed"] for r in res["runs"]})
+    lines.append(ps.md_table(["domain"] + [f"seed {s} (MOPD / GRPO samples)" for s in seeds] +
                              ["ratio, mean ± std"],
                              [[d] + [_ratio_str(x) for x in a["ratio"][d]] +
                               [ps.fmt_pm([x["ratio"] for x in a["ratio"][d] if x and x["ratio"]], 1)]
@@ -240,11 +249,13 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="the preset (configs/<name>.yaml); tiny_sparse: sparse reward")
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--grpo-steps", type=int, default=0, help="GRPO's budget in steps (0: --steps)")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--config", default="tiny_sparse", help="the preset (configs/<name>.yaml)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--grpo-steps", type=int, default=50, help="GRPO's budget in steps (0: --steps)")
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of the GRPO arm only, e.g. expert.prompts_per_step=16 (its batch)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seesaw-delta", type=float, default=0.03)
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-peers")
@@ -258,12 +269,15 @@ def main(argv=None) -> int:
     build = build_models(args)
     cfg = stage_cfg(args, "mopd")
     seeds = [int(s) for s in args.seeds.split(",")]
-    res = {"machine": {"cpu": vs_trl._cpu(), "cores": os.cpu_count(), "threads": args.threads,
-                       "torch": torch.__version__},
-           "config": args.config, "method_steps": {m: method_steps(args, m) for m in METHODS},
+    res = {"machine": {"cpu": machine_info()["cpu_model"] or "unknown", "cores": os.cpu_count(),
+                       "threads": args.threads, "torch": torch.__version__},
+           "config": args.config, "grpo_set": args.grpo_set,
+           "method_steps": {m: method_steps(args, m) for m in METHODS},
            "load_average_1m": {"start": round(os.getloadavg()[0], 2)},
            "png": args.out.with_suffix(".png").name, "command": " ".join(sys.argv),
            "steps": args.steps, "per_step": cfg.mopd.prompts_per_step * cfg.mopd.group_size,
+           "method_per_step": {m: stage_cfg(args, m).mopd.prompts_per_step * stage_cfg(args, m).mopd.group_size
+                               for m in METHODS},
            "eval_every": args.eval_every, "eval_size": cfg.mopd.eval_size or "all",
            "mix": cfg.prompt_mix(cfg.mopd), "seeds": seeds, "seesaw_delta": args.seesaw_delta,
            "domains": list(build["sft_eval"]), "build": build, "runs": []}
