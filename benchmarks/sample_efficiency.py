@@ -227,7 +227,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     doms = res["domains"]
-    fig, axes = plt.subplots(1, len(doms), figsize=(5 * len(doms), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(doms), figsize=(max(5 * len(doms), 7), 4), sharey=True, squeeze=False)
     axes = axes[0]
     colors = {"mopd": "tab:blue", "grpo": "tab:orange"}
     for ax, d in zip(axes, doms):
@@ -241,7 +241,7 @@ def plot(res: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (%)")
     axes[-1].legend(fontsize=8)
-    fig.suptitle(f"MOPD vs joint multi-domain GRPO, samples to the expert ({res.get('config', 'tiny')})")
+    fig.suptitle(f"MOPD vs GRPO from SFT: samples to the expert ({res.get('config', 'tiny')})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
