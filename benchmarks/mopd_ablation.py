@@ -5,13 +5,19 @@ same experts (each variant its own stage folder `student-<variant>`, so the shar
 reused through the recipe's fingerprints), each evaluated greedy on the held-out prompts. The variants, as in
 the paper's table (cumulative where it writes "+"):
 
-    naive          sampled-token reverse KL (β=1), one optimizer step per rollout batch
+    naive          sampled-token reverse KL (β=1), one optimizer step per rollout batch, no reward term
     share          + token-share balancing              mopd.balance=tokens
     share_gap      + gap-following                      + mopd.gap_following=true
     k4             naive with K=4 minibatches           mopd.minibatches=4
     k4_share_gap   + share + gap at K=4
     k4_refresh     + reward refresh (on share + gap, K=4) + mopd.reward_refresh=true
     dense          naive with the dense top-K reverse KL  mopd.kd_loss=topk_rkl (vs `naive`: sampled)
+
+and beyond the paper's table (issue 26: a variant that recovers ≥ 90 % on every seed): K=4 with share alone,
+the reward term on (w_rl=1, the seeds' RL + distillation objective), K=8, and the dense top-K objective under
+share + gap at K=4 — `k4_share_gap_dense_rl`, which recovered ≥ 90 % of the total on each of 5 seeds, is
+configs/tiny_imbalanced.yaml's own MOPD setting. Every variant states all six knobs (naive's values, then its
+changes), so no variant depends on the preset's defaults or on `mopd.kd_loss`'s.
 
 A variant whose config keys this checkout does not have yet (its overrides fail validation) is skipped and the
 table says why. Per variant: per-domain accuracy, the total (mean over domains), recovery
@@ -48,6 +54,9 @@ from peer_stats import mean_std  # noqa: E402
 from tiny_recipe import machine_info  # noqa: E402  (the machine line every benchmark table carries)
 
 SHARE_GAP = ["mopd.balance=tokens", "mopd.gap_following=true"]
+# naive MOPD spelled out (each variant starts from it): the preset's own defaults are the recommended variant
+NAIVE = ["mopd.kd_loss=sampled_rkl", "mopd.kd_clip=5.0", "mopd.minibatches=1", "mopd.balance=none",
+         "mopd.gap_following=false", "mopd.reward_refresh=false", "mopd.w_kd=1.0", "mopd.w_rl=0.0"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "naive": ("naive (sampled-token RKL)", []),
     "share": ("+ token-share", ["mopd.balance=tokens"]),
@@ -57,6 +66,25 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "k4_refresh": ("+ reward refresh (share + gap, K=4)", ["mopd.minibatches=4", *SHARE_GAP,
                                                           "mopd.reward_refresh=true"]),
     "dense": ("dense top-K RKL (naive otherwise)", ["mopd.kd_loss=topk_rkl"]),
+    # beyond the paper's table: the seeds' joint objective (AReaL: RL loss + distillation loss; the verifier's
+    # reward is per sequence, so a one-token answer's reward advantage is as large as a long one's) and more
+    # optimizer steps per rollout batch
+    "k4_share": ("K=4 + token-share (no gap)", ["mopd.minibatches=4", "mopd.balance=tokens"]),
+    "k4_share_gap_rl": ("+ share + gap, K=4, + reward w_rl=1", ["mopd.minibatches=4", *SHARE_GAP, "mopd.w_rl=1"]),
+    "k4_refresh_rl": ("+ refresh (share + gap, K=4), + reward w_rl=1",
+                      ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.w_rl=1"]),
+    "k8_share_gap": ("+ share + gap, K=8", ["mopd.minibatches=8", *SHARE_GAP]),
+    "k8_refresh": ("+ refresh (share + gap, K=8)", ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true"]),
+    # Open-MOPD's own objective is the dense top-K reverse KL: for a one-token answer it scores every candidate
+    # digit of every sample, where the sampled-token estimate sees one
+    "k4_share_gap_dense": ("+ share + gap, K=4, dense top-K RKL",
+                           ["mopd.minibatches=4", *SHARE_GAP, "mopd.kd_loss=topk_rkl"]),
+    "k4_refresh_dense": ("+ refresh (share + gap, K=4), dense top-K RKL",
+                         ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
+    "k4_share_gap_dense_rl": ("+ share + gap, K=4, dense top-K RKL, + reward w_rl=1",
+                              ["mopd.minibatches=4", *SHARE_GAP, "mopd.kd_loss=topk_rkl", "mopd.w_rl=1"]),
+    "k8_refresh_dense": ("+ refresh (share + gap, K=8), dense top-K RKL",
+                         ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
 }
 # Open-MOPD's numbers for the same rows (SmolLM3-3B, total of AIME/LCB/IFEval; MixSFT 25.67, experts 32.35)
 PAPER = {"naive": 28.05, "share": 29.22, "share_gap": 29.94, "k4": 29.28, "k4_share_gap": 30.43,
@@ -129,7 +157,7 @@ def variant_config(args, seed: int, extra: list[str]):
     from mopd_core.config import load_config
 
     # one folder per seed: the seeds' stages never meet, so seeds may run as parallel invocations (--collect)
-    return load_config(args.config, [*args.overrides, f"output_dir={Path(args.output_dir) / f'seed{seed}'}",
+    return load_config(args.config, [*NAIVE, *args.overrides, f"output_dir={Path(args.output_dir) / f'seed{seed}'}",
                                      f"seed={seed}", *extra])
 
 
@@ -255,6 +283,39 @@ def _pm(x: dict, scale: float = 100.0, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(scale * x['mean'])} ± {fmt.format(scale * x['std'])}"
 
 
+SHORT_BAR, TOTAL_BAR = 0.85, 0.90  # issue 26: every seed recovers ≥ 90 % of the total, the short domain ≥ 85 %
+
+
+def _per_seed_recovery(result: dict, domains: list[str]) -> list[str]:
+    """Recovery of the total and of the shortest-answer domain on each seed (a mean hides one seed far below), and
+    whether the variant clears the bar on every seed."""
+    seeds = sorted(result["per_seed"], key=int)
+    lengths = {d: [] for d in domains}
+    for sr in result["per_seed"].values():
+        for vr in sr["variants"].values():
+            for d, n in (vr.get("tokens", {}).get("length") or {}).items():
+                lengths.setdefault(d, []).append(n)
+    short = min(domains, key=lambda d: statistics.fmean(lengths[d]) if lengths.get(d) else math.inf)
+    lines = [f"Recovery per seed, total / {short} (%); the bar: ≥ {TOTAL_BAR:.0%} of the total and ≥ {SHORT_BAR:.0%} "
+             f"of {short} on every seed:", "",
+             "| variant | " + " | ".join(f"seed {s}" for s in seeds) + " | every seed clears it |",
+             "|---|" + "---:|" * len(seeds) + "---|"]
+    for v in result["variants"]:
+        recs = [result["per_seed"][s]["variants"].get(v, {}).get("recovery") for s in seeds]
+        if not any(recs):
+            continue
+        cells = [f"{100 * r['total']:.0f} / {100 * r[short]:.0f}" if r else "–" for r in recs]
+        ok = all(r and r["total"] >= TOTAL_BAR and r[short] >= SHORT_BAR for r in recs)
+        label = VARIANTS[v][0] if v in VARIANTS else v
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |")
+    return lines
+
+
+def _accelerator(result: dict) -> str:
+    acc = result.get("accelerator")
+    return f"; training and sampling on {acc}" if acc else ""
+
+
 def markdown(result: dict) -> str:
     summ, mach, domains = result.get("summary") or {}, result["machine"], result["domains"]
     seeds = sorted(int(s) for s in result["per_seed"])
@@ -262,7 +323,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Open-MOPD ablation on `{result['config']}` ({state})", "",
              f"Seeds {', '.join(map(str, seeds))}; {mach['cpu_model']} ({mach['cpu_count']} cores; torch "
              f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
-             f"{mach['python']}. Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min (load average "
+             f"{mach['python']}{_accelerator(result)}. Wall time of the whole benchmark "
+             f"{result['wall_s'] / 60:.1f} min (load average "
              f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end, "
              "this benchmark's own processes included; above one per core the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
@@ -303,6 +365,7 @@ def markdown(result: dict) -> str:
     curve_rows = [(VARIANTS[v][0], r["reward_curve"]) for v, r in summ["variants"].items() if r.get("reward_curve")]
     if curve_rows:
         wins = list(curve_rows[0][1])
+        lines += ["", *_per_seed_recovery(result, domains)]
         lines += ["", "How fast each domain is served: the student's sampled (T=1) reward during MOPD, mean over "
                   "windows of steps (%, mean ± std over the seeds):", "",
                   "| variant | " + " | ".join(f"{d} steps {w}" for w in wins for d in domains) + " |",
@@ -358,7 +421,14 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
                 if found:
                     vr["tokens"] = token_shares(found[0], p["domains"])
     res = dict(parts[0])
-    res["per_seed"] = {k: v for p in parts for k, v in p["per_seed"].items()}
+    res["per_seed"] = {}
+    for p in parts:  # one seed's variants may be split over invocations that shared its SFT model and experts
+        for k, v in p["per_seed"].items():
+            have = res["per_seed"].setdefault(k, {**v, "variants": {}, "wall_s": {}, "accuracy": {}})
+            have["variants"].update(v["variants"])
+            for key in ("wall_s", "accuracy", "greedy"):  # the invocation that trained a stage timed it: first wins
+                have[key] = {**(v.get(key) or {}), **have.get(key, {})}
+    res["variants"] = [v for v in VARIANTS if any(v in s["variants"] for s in res["per_seed"].values())]
     res["seeds"] = sorted(int(k) for k in res["per_seed"])
     res["skipped"] = {k: v for p in parts for k, v in p["skipped"].items()}
     res["invocations"] = [i for p in parts for i in (p.get("invocations") or [{"command": p["command"]}])]
@@ -373,6 +443,20 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
     outp.with_suffix(".md").write_text(markdown(res) + "\n")
     print(markdown(res))
     return 0
+
+
+def _accelerator_name(cfg) -> str | None:
+    """The GPU the stages ran on (None on a CPU), with the library versions that set its float paths."""
+    import torch
+
+    from mopd_core.runtime.device import resolve
+
+    if resolve(cfg.runtime.device).kind != "cuda":
+        return None
+    import transformers
+
+    return (f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"transformers {transformers.__version__})")
 
 
 def _git_head() -> str | None:
@@ -422,7 +506,8 @@ def main(argv=None) -> int:
               # sampled accuracy when the preset asks for it (Open-MOPD reports avg@k): greedy decoding turns any
               # probability above one half into a right answer, which hides a domain served only half way
               "metric": f"mean@{cfg.eval.mean_at_k}" if cfg.eval.mean_at_k else "greedy",
-              "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started"}
+              "torch_threads": cfg.runtime.num_threads or torch.get_num_threads(), "partial": "started",
+              "accelerator": _accelerator_name(cfg)}
     result["invocations"] = [{"command": result["command"], "commit": _git_head()}]
     prior_wall = 0.0
     if args.resume and outp.exists():

@@ -191,8 +191,8 @@ class EvalSource(_Model):
 
 class DomainSpec(_Model):
     name: str = Field(description="Domain name; also the teacher_id that routes its samples to a teacher.")
-    source: str = Field(description="`synthetic:<kind>` (math, code, if) or a path to a jsonl / parquet / "
-                        "`datasets` dir with columns prompt, teacher_id, and verifier fields.")
+    source: str = Field(description="`synthetic:<kind>` (math, code, if, mathchain, ifshort, caps) or a path to a "
+                        "jsonl / parquet / `datasets` dir with columns prompt, teacher_id, and verifier fields.")
     verifier: str = Field("exact_match", description="Reward function for dataset sources: exact_match, "
                           "contains, code_tests (sandboxed), math_verify, ifeval (the last two need the "
                           "`mopd[domains]` extra). Synthetic domains bring their own.")

@@ -2,8 +2,8 @@
 
 A `Domain` yields training prompts (`train_examples(n, rng)`), a fixed held-out eval set (`eval_examples()`,
 never trained on) and a reward in [0, 1]. `build_domain(name, source, ...)` makes one from
-`"synthetic:<kind>"` (character-level tasks: math, code, if, mathchain, ifshort) or from a dataset file; rows carry a
-`teacher_id` that routes each sample to its teacher. Verifiers score dataset rows; `code_tests` runs model
+`"synthetic:<kind>"` (character-level tasks: math, code, if, mathchain, ifshort, caps) or from a dataset file; rows
+carry a `teacher_id` that routes each sample to its teacher. Verifiers score dataset rows; `code_tests` runs model
 code only inside `sandbox.run_sandboxed` (resource limits, dropped privileges, namespaces, an audit hook).
 """
 

@@ -360,3 +360,44 @@ class ShortInstructionDomain(SyntheticDomain):
 
     def space_size(self) -> int:
         return len(self._tasks) * 10 ** self._len
+
+
+# ---- the sparse-reward domain (configs/tiny_sparse.yaml) -----------------------------------------------------
+# On the tiny math/code/if tasks a sample at T=1 is right ~35 % of the time, so GRPO's reward is nearly as dense as
+# a teacher's per-token signal and RL looks as sample-efficient as distillation (benchmarks/results/
+# sample_efficiency.md). Here the answer is `length` independent decisions that the reward only sees together.
+
+@register_domain("caps")
+class CapsDomain(SyntheticDomain):
+    """Sparse reward: "caps:qwxyz=" → "QWXYZ", exact match, so an answer is rewarded only when every one of its
+    `length` letters is right.
+
+    Its weak demonstrator (`weak_tasks: [caps]`, `weak_rate` r) leaves each letter of an SFT answer lowercase,
+    independently, with probability r. SFT learns the mapping and the slip at every position, so its greedy answer
+    keeps at least one lowercase letter (r > 1/2) and a sample at T=1 is right with probability ~(1 − r)^length
+    (1.0 % for 5 letters at r = 0.6): GRPO from SFT sees a reward in few groups, while an RL expert's per-token
+    score tells the student at every letter of every sample which case it wants."""
+
+    kind = "caps"
+    DEFAULTS = {"length": 5}
+    TASKS = ("caps",)
+
+    def _check_params(self) -> None:
+        self._len = self._int_param("length", 1, 24)
+
+    def sample(self, rng: random.Random) -> Example:
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(self._len))
+        return self._ex(f"caps:{w}=", w.upper())
+
+    def _demonstrate(self, ex: Example, rng: random.Random) -> Example:
+        """`ex`, or with each letter of its SFT completion left lowercase with probability `weak_rate`."""
+        if not self._weak_rate or "caps" not in self._weak or ex.answer is None:
+            return ex
+        slipped = "".join(c.lower() if rng.random() < self._weak_rate else c for c in ex.answer)
+        if slipped == ex.answer:
+            return ex
+        return Example(prompt=ex.prompt, teacher_id=ex.teacher_id, answer=ex.answer,
+                       fields={**ex.fields, "completion": slipped})
+
+    def space_size(self) -> int:
+        return 26 ** self._len

@@ -156,3 +156,27 @@ def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_move
     now = sft_fingerprint(imb, "base"), sft_fingerprint(tiny, "base")
     monkeypatch.setattr(ShortInstructionDomain, "RESULTS_VERSION", 1)  # as the letters version was
     assert sft_fingerprint(imb, "base") != now[0] and sft_fingerprint(tiny, "base") == now[1]
+
+
+def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_out():
+    # benchmarks/mopd_ablation.py: the preset's MOPD block is its best variant; naive is written out as overrides,
+    # so neither moves when the preset's or the library's defaults (e.g. mopd.kd_loss) change
+    import argparse
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("mopd_ablation", bench / "mopd_ablation.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    args = argparse.Namespace(config="tiny_imbalanced", overrides=[], output_dir="runs/x")
+    preset = load_config("tiny_imbalanced").mopd
+    assert ab.variant_config(args, 0, ab.VARIANTS["k4_share_gap_dense_rl"][1]).mopd == preset
+    knobs = ("kd_loss", "minibatches", "balance", "gap_following", "reward_refresh", "w_rl")
+    assert all(k in preset.model_fields_set for k in knobs)  # written in the YAML, not taken from a default
+    naive = ab.variant_config(args, 0, ab.VARIANTS["naive"][1]).mopd
+    assert tuple(dict(naive)[k] for k in knobs) == ("sampled_rkl", 1, "none", False, False, 0.0)
+    share = ab.variant_config(args, 0, ab.VARIANTS["share"][1]).mopd
+    assert (share.balance, share.minibatches, share.kd_loss) == ("tokens", 1, "sampled_rkl")

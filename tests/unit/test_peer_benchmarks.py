@@ -132,3 +132,18 @@ def test_sample_efficiency_analysis_crossings_and_seesaw():
     md = se.render(res)
     assert "| mopd | 2560 (n=1) | 5120 (n=1) | not reached (1/1 runs) |" in md
     assert "| grpo | 2 | e.g. math −10.0 while code +23.0 (2560→5120 samples) |" in md
+    # GRPO's samples ÷ MOPD's per seed; a method that never reached the target counts as its budget (a bound)
+    assert a["ratio"]["math"] == [{"mopd": 2560, "grpo": None, "ratio": 2.0, "bound": "≥"}]
+    assert a["ratio"]["if"] == [{"mopd": None, "grpo": None, "ratio": None, "bound": "neither reached"}]
+    assert "| math | 2560 / never → ≥2.0× | 2.0 (n=1) |" in md
+
+
+def test_sample_efficiency_ratio_pairs_runs_by_seed():
+    se = _load("sample_efficiency")
+    build = {"sft_eval": {"caps": {"greedy": 0.0}}, "expert_eval": {"caps": {"caps": {"greedy": 1.0}}}}
+    runs = [{"method": m, "seed": s, "samples": [0, 1000, 2000, 3000, 4000, 5000], "curves": {"caps": c}}
+            for m, s, c in (("mopd", 0, [0, 0.95, 1, 1, 1, 1]), ("grpo", 0, [0, 0, 0, 0.2, 0.5, 0.91]),
+                            ("mopd", 1, [0, 0.5, 0.92, 1, 1, 1]), ("grpo", 1, [0, 0, 0, 0, 0.93, 1]))]
+    a = se.analyse({"build": build, "domains": ["caps"], "runs": runs}, 0.05)
+    assert [x["ratio"] for x in a["ratio"]["caps"]] == [5.0, 2.0]
+    assert [x["bound"] for x in a["ratio"]["caps"]] == ["=", "="]
