@@ -129,7 +129,7 @@ def measure(args) -> dict:
     t0 = time.perf_counter()
     for seed in range(args.seeds):
         rng = random.Random(f"kd_noise/{seed}")
-        ex = sample_prompts(domains, {"math": 1.0}, mo.prompts_per_step, rng)
+        ex = sample_prompts(domains, [1.0], mo.prompts_per_step, rng)
         ex = [e for e in ex for _ in range(mo.group_size)]
         gen = torch.Generator().manual_seed(seed)
         batch = engine.generate(ex, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temp, generator=gen)

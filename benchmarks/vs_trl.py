@@ -425,7 +425,7 @@ def summarise(results: list[dict], build: dict | None = None) -> dict:
                  for i in three], [sum(s["step_s"] for s in by[("ours_3t", i)]["steps"]) for i in three]),
             "acc_diff_points": {d: [100 * (by[("ours_3t", i)]["eval"][d] - by[(f"trl_{d}", i)]["eval"][d])
                                     for i in three] for d in DOMAINS}}
-    teacher = ((build or {}).get("expert_eval") or {}).get("math", {}).get("greedy")
+    teacher = ((build or {}).get("expert_eval") or {}).get("math", {}).get("math", {}).get("greedy")
     tta = time_to_accuracy(results, teacher) if teacher else {}
     return {"arms": arms, "ratios": ratios, "tta": tta}
 

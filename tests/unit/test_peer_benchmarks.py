@@ -135,7 +135,7 @@ def test_sample_efficiency_analysis_crossings_and_seesaw():
 
 
 def test_vs_trl_time_to_accuracy_and_its_acceptance_lines():
-    build = {"sft_eval": {"math": {"greedy": 0.4}}, "expert_eval": {"math": {"greedy": 0.8}}}  # target 0.72
+    build = {"sft_eval": {"math": {"greedy": 0.4}}, "expert_eval": {"math": {"math": {"greedy": 0.8}}}}  # target 0.72
     runs = []
     for rep in range(5):
         o = _run("ours", rep, 0.2, 0.1, 0.02, {"math": 0.8}, n=10)
