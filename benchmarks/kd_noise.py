@@ -124,26 +124,45 @@ def measure(args) -> dict:
     params = [p for p in student.parameters() if p.requires_grad]
     engine = HFRollout(student, tok, torch.device("cpu"), cfg.data.max_prompt_tokens)
     temp, mo = cfg.rollout.temperature, cfg.mopd
-    grads = {n: [] for n in OBJECTIVES}
-    stats = {n: [] for n in OBJECTIVES}
-    t0 = time.perf_counter()
-    for seed in range(args.seeds):
-        rng = random.Random(f"kd_noise/{seed}")
+    opt = torch.optim.AdamW(params, lr=mo.lr, betas=mo.betas, weight_decay=mo.weight_decay)
+
+    def batch_of(tag: str, seed: int):
+        rng = random.Random(f"kd_noise/{tag}/{seed}")
         ex = sample_prompts(domains, [1.0], mo.prompts_per_step, rng)
         ex = [e for e in ex for _ in range(mo.group_size)]
         gen = torch.Generator().manual_seed(seed)
         batch = engine.generate(ex, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temp, generator=gen)
         with torch.no_grad():
-            t_logp = torch.log_softmax(_logits(teacher, batch, temp), -1)
-        student.train()
-        for name in OBJECTIVES:
-            student.zero_grad(set_to_none=True)
-            loss, st = objective_loss(name, _logits(student, batch, temp), t_logp, batch, mo.kd_clip, mo.kd_top_k)
-            loss.backward()
-            grads[name].append(torch.cat([p.grad.reshape(-1) for p in params]).double())
-            stats[name].append(st)
-        print(f"seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return summarise(grads, stats, mo.grad_clip)
+            return batch, torch.log_softmax(_logits(teacher, batch, temp), -1)
+
+    out, done, t0 = {}, 0, time.perf_counter()
+    for at in args.at_steps:
+        # the student moves on between the measurements as TRL's β = 1 run would: exact reverse KL, AdamW, the
+        # recipe's lr and grad clip, fresh batches (their own seeds)
+        for step in range(done, at):
+            batch, t_logp = batch_of("train", step)
+            student.train()
+            opt.zero_grad(set_to_none=True)
+            objective_loss("exact_rkl", _logits(student, batch, temp), t_logp, batch, mo.kd_clip,
+                           mo.kd_top_k)[0].backward()
+            torch.nn.utils.clip_grad_norm_(params, mo.grad_clip)
+            opt.step()
+        done = at
+        grads = {n: [] for n in OBJECTIVES}
+        stats = {n: [] for n in OBJECTIVES}
+        for seed in range(args.seeds):
+            batch, t_logp = batch_of(f"measure{at}", seed)
+            student.train()
+            for name in OBJECTIVES:
+                student.zero_grad(set_to_none=True)
+                loss, st = objective_loss(name, _logits(student, batch, temp), t_logp, batch, mo.kd_clip,
+                                          mo.kd_top_k)
+                loss.backward()
+                grads[name].append(torch.cat([p.grad.reshape(-1) for p in params]).double())
+                stats[name].append(st)
+        out[at] = summarise(grads, stats, mo.grad_clip)
+        print(f"step {at}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
 
 
 def summarise(grads, stats, grad_clip: float) -> dict:
@@ -170,24 +189,31 @@ def summarise(grads, stats, grad_clip: float) -> dict:
 
 def render(res: dict) -> str:
     m = res["machine"]
+    at = list(res["objectives"])
     lines = [f"# Gradient noise of the distillation objectives at the same samples ({m['cpu']}, {m['threads']} torch "
              f"thread, load average {res['load'][0]:.1f}–{res['load'][1]:.1f})", "",
              f"`benchmarks/kd_noise.py` — the tiny recipe's SFT student (seed 0) and its math expert, "
              f"{res['seeds']} independent batches of {res['prompts']} prompts × {res['group']} samples (a MOPD step's "
-             f"batch), every objective's gradient on each batch at the same samples; {res['wall_s']:.0f} s. "
+             f"batch), every objective's gradient on each batch at the same samples, at the SFT student (step 0) and "
+             f"after {', '.join(str(a) for a in at if int(a))} steps of exact reverse-KL training (AdamW, lr "
+             f"{res['lr']:g}, grad clip {res['grad_clip']:g}); {res['wall_s']:.0f} s. "
              "Reference direction: the mean over all batches of the exact reverse-KL gradient (what TRL β = 1 "
              "follows). Noise-to-signal `E‖g − ḡ‖² / ‖ḡ‖²` (each objective's own mean ḡ): how many times the "
              "gradient's noise exceeds its signal in squared norm; an optimizer step of N such batches averages "
              "it down N-fold.", "",
-             "| objective | grad norm | noise-to-signal | cos(g, E[g_exact]) one batch | cos(E[g], E[g_exact]) | "
-             "batches with norm > grad_clip | kd_clip binds (tokens) | PPO clip binds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, r in res["objectives"].items():
-        kc = f"{r['kd_clip_frac']:.1%}" if "kd_clip_frac" in r else "–"
-        pc = f"{r['ppo_clip_frac']:.1%}" if "ppo_clip_frac" in r else "–"
-        lines.append(f"| `{name}` | {r['grad_norm'][0]:.3f} ± {r['grad_norm'][1]:.3f} | {r['noise_to_signal']:.2f} | "
-                     f"{r['cos_to_expected_exact'][0]:.3f} ± {r['cos_to_expected_exact'][1]:.3f} | "
-                     f"{r['bias_cos']:.3f} | {r['clipped_by_grad_clip']:.0%} | {kc} | {pc} |")
+             "| step | objective | grad norm | noise-to-signal | cos(g, E[g_exact]) one batch | "
+             "cos(E[g], E[g_exact]) | "
+             "batches with norm > grad_clip | kd_clip binds (tokens) | PPO clip binds | max ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for a in at:
+        for name, r in res["objectives"][a].items():
+            kc = f"{r['kd_clip_frac']:.1%}" if "kd_clip_frac" in r else "–"
+            pc = f"{r['ppo_clip_frac']:.1%}" if "ppo_clip_frac" in r else "–"
+            rm = f"{r['ratio_max']:.4f}" if "ratio_max" in r else "–"
+            lines.append(f"| {a} | `{name}` | {r['grad_norm'][0]:.3f} ± {r['grad_norm'][1]:.3f} | "
+                         f"{r['noise_to_signal']:.2f} | {r['cos_to_expected_exact'][0]:.3f} ± "
+                         f"{r['cos_to_expected_exact'][1]:.3f} | {r['bias_cos']:.3f} | {r['clipped_by_grad_clip']:.0%} "
+                         f"| {kc} | {pc} | {rm} |")
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-json", type=Path, required=True, help="vs_trl's build.json (SFT + math expert)")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--at-steps", type=lambda v: [int(x) for x in v.split(",")], default=[0, 10, 20],
+                    help="measure at these steps of an exact reverse-KL run from the SFT student")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kd_noise")
     args = ap.parse_args(argv)
     import torch
@@ -209,7 +237,8 @@ def main(argv=None) -> int:
     mo = load_config("tiny", []).mopd
     res = {"machine": {"cpu": machine_info()["cpu_model"] or "unknown", "threads": args.threads,
                        "torch": torch.__version__}, "seeds": args.seeds, "prompts": mo.prompts_per_step,
-           "group": mo.group_size, "objectives": objectives, "wall_s": time.perf_counter() - t0,
+           "group": mo.group_size, "objectives": objectives, "wall_s": time.perf_counter() - t0, "lr": mo.lr,
+           "grad_clip": mo.grad_clip,
            "load": [load0, os.getloadavg()[0]]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
