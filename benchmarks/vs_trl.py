@@ -495,6 +495,10 @@ def render_tta(res: dict) -> list[str]:
                   f" ({_pm_none(o['reach_s'], 1)} vs {_pm_none(t['reach_s'], 1)} s"
                   + (f", ratio {ps.mean_std(t_s)[0] / ps.mean_std(o_s)[0]:.2f}×" if o_s and t_s else "") + ");",
                   f"- ≥ 5 seeds per arm: {'met' if n_ok else 'not met'} ({o['seeds']} and {t['seeds']}).", ""]
+        paired = [(b / a) if a and b else None for a, b in zip(o["reach_s"], t["reach_s"])]
+        if any(x is not None for x in paired):
+            lines += ["Paired by seed (the same prompts, run back to back), TRL's seconds to the target ÷ ours: " +
+                      ", ".join("–" if x is None else f"{x:.2f}×" for x in paired) + ".", ""]
     return lines
 
 
