@@ -8,7 +8,9 @@ all arms alike, and ratios are taken within a repeat.
 Arms (`--arms`):
 - `trl_b1`, `trl_b05`: TRL `DistillationTrainer` (the stable trainer: one local teacher, exact full-vocabulary
   generalised JSD through its chunked kernel, HF generation), β = 1 (reverse KL) and β = 0.5, on math;
-- `ours_rkl`: our MOPD stage with the math teacher, sampled-token reverse KL as a per-token advantage;
+- `ours`: our MOPD stage with the math teacher and the recipe's defaults as shipped (dense top-K reverse KL);
+- `ours_rkl`: the same with the sampled-token reverse KL as a per-token advantage (`mopd.kd_loss=sampled_rkl`);
+- `ours_topk`: the same with `mopd.kd_loss=topk_rkl` set explicitly;
 - `ours_fjsd`: the same with `mopd.kd_loss=full_jsd` (β = 1) where the config has that option (else skipped,
   with a note in the table);
 - `ours_3t`: our three-teacher MOPD on the domain mix;
@@ -31,8 +33,13 @@ RSS of the process after training, held-out greedy accuracy of the final model (
 sides), and the first step left out of the per-step means (one-time warm-up on both sides). `--profile` adds one
 short torch.profiler run per side: the top ops by self CPU time with their shares.
 
-    .venv/bin/python benchmarks/vs_trl.py                                   # 2 repeats, 30 steps, 1 thread
-    .venv/bin/python benchmarks/vs_trl.py --repeats 3 --threads 2 --profile
+Time to accuracy (the default run: the five math arms of `MATH_ARMS`, 5 seeds): every one-teacher math arm of a
+seed samples the same prompts (one stage name per seed), held-out greedy accuracy every `--eval-every` steps on
+both sides (ours: the loop's `eval_every`; TRL: a callback after the step timer, so evaluations are not timed),
+curves as `vs_trl.png`, and the training seconds and samples to 90 % of the teacher.
+
+    .venv/bin/python benchmarks/vs_trl.py                                   # 5 seeds × 5 math arms, 30 steps
+    .venv/bin/python benchmarks/vs_trl.py --repeats 2 --arms ours_rkl,trl_b1,ours_3t,trl_math,trl_code,trl_if --profile
 """
 
 from __future__ import annotations
