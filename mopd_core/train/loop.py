@@ -113,11 +113,12 @@ def check_objective(stage: str, m: PolicyLoopConfig, recipe: RecipeConfig) -> No
     if new and rt.strategy != "single":
         raise ConfigError(f"{stage}: {sec}.kd_loss={m.kd_loss} / gap_following / reward_refresh / teachers.conflict "
                           f"run in one process for now (the Ray workers' update does not take them); set "
-                          f"runtime.strategy=single")
+                          f"runtime.strategy=single or {sec}.kd_loss=sampled_rkl")
     if new and rt.placement == "async":
         raise ConfigError(f"{stage}: {sec}.kd_loss={m.kd_loss} / gap_following / reward_refresh / teachers.conflict "
                           "need the student's candidate pass beside the teachers', which the async pipeline's scorer "
-                          "thread does not run; set runtime.placement=colocated or disaggregated")
+                          f"thread does not run; set runtime.placement=colocated or disaggregated, or {sec}.kd_loss="
+                          "sampled_rkl")
     if m.gap_following and not 0 < m.gap_clip[0] <= 1 <= m.gap_clip[1]:
         raise ConfigError(f"{stage}: {sec}.gap_clip={list(m.gap_clip)} must be [low, high] with 0 < low ≤ 1 ≤ high "
                           "(e.g. [0.05, 20])")

@@ -91,7 +91,8 @@ def sft_dir(tmp_path_factory):
 
 def _cfg(tmp_path, *extra):
     cfg = load_config("tiny", tiny_overrides(tmp_path) + [
-        "rollout.backend=served", f"teachers.serve_python={VLLM_PY}", "mopd.steps=4", "mopd.save_every=2", *extra])
+        "rollout.backend=served", f"teachers.serve_python={VLLM_PY}", "mopd.steps=4", "mopd.save_every=2",
+        "mopd.kd_loss=sampled_rkl", *extra])  # the async pipeline takes the sampled-token objective
     R.setup_runtime(cfg)
     torch.set_num_threads(1)
     return cfg

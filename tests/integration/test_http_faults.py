@@ -42,7 +42,7 @@ STEPS = 4
 def _cfg(out: Path, *extra: str):
     return load_config("tiny", tiny_overrides(out) + TWO + [
         "teachers.backend=http", f"teachers.serve_python={VLLM_PY}", "teachers.max_logprobs=8",
-        f"mopd.steps={STEPS}", "mopd.save_every=1", "mopd.keep_checkpoints=2", *extra])
+        f"mopd.steps={STEPS}", "mopd.save_every=1", "mopd.keep_checkpoints=2", "mopd.kd_loss=sampled_rkl", *extra])
 
 
 def _rows(p: Path) -> list[dict]:

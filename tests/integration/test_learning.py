@@ -47,8 +47,14 @@ def runs(tmp_path_factory):
     teachers["short"] = expert.model_dir
     mc = _train_cfg(cfg)
     mc.mopd.w_rl, mc.mopd.w_kd, mc.mopd.mix = 0.0, 1.0, {"short": 1.0}
-    student = R.mopd_stage(mc, sft.model_dir, teachers, progress=False)
-    return cfg, sft.model_dir, expert.model_dir, student.model_dir
+    # the seeds' sampled-token objective (the planted bugs of tests/mutation/ sit on its path) and the default,
+    # the dense top-K reverse KL
+    students = {}
+    for kd_loss in ("sampled_rkl", "topk_rkl"):
+        mc.mopd.kd_loss = kd_loss
+        students[kd_loss] = R.mopd_stage(mc, sft.model_dir, teachers, progress=False,
+                                         stage_name=f"student-{kd_loss}").model_dir
+    return cfg, sft.model_dir, expert.model_dir, students
 
 
 def _held_out(cfg):
@@ -95,9 +101,11 @@ def test_expert_rl_raises_the_held_out_reward(runs):
     assert after >= 0.6 and after - before >= 0.3, (before, after)
 
 
-def test_distillation_closes_the_teacher_gap(runs):
+@pytest.mark.parametrize("kd_loss", ["sampled_rkl", "topk_rkl"])
+def test_distillation_closes_the_teacher_gap(runs, kd_loss):
     """`w_rl=0`: only the teacher's signal trains the student, so a reward rise is the distillation's own."""
-    cfg, sft, expert, student = runs
+    cfg, sft, expert, students = runs
+    student = students[kd_loss]
     r_sft, kl_sft = _judge(cfg, sft, expert)
     r_student, kl_student = _judge(cfg, student, expert)
     r_teacher, _ = _judge(cfg, expert)

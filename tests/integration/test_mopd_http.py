@@ -33,7 +33,7 @@ def test_mopd_through_vllm_servers_equals_local_teachers(tmp_path):
     the machine's floating-point paths, so later steps are not compared — only that both trained."""
     two = ["data.domains=[{name: math, source: 'synthetic:math', eval_size: 8}, "
            "{name: if, source: 'synthetic:if', eval_size: 8}]", "sft.mix=null", "mopd.mix=null", "mopd.steps=2",
-           f"teachers.serve_python={VLLM_PY}"]
+           f"teachers.serve_python={VLLM_PY}", "mopd.kd_loss=sampled_rkl"]  # a server has no student top-K
     local = load_config("tiny", tiny_overrides(tmp_path / "local") + two)
     R.setup_runtime(local)
     base = R.base_model(local)

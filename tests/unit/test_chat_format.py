@@ -36,7 +36,7 @@ DEFAULT_VOCAB_SHA = "7f0789557ad13b8a"
 DEFAULT_TOKENIZER_FP = "3e9586199fe9f7d4"
 DEFAULT_INIT_SHA = "17c19ba17786c1cc"
 DEFAULT_BASE = "tiny:78379937bba4854b"
-DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "63f8104171504f68",
+DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "46bc8ebb1624f9b6",
                "evaluate": "132506b98b63acb6"}
 INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3",
           "base": "stage:b:0"}

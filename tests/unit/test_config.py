@@ -117,7 +117,9 @@ def test_what_sharded_training_cannot_do_is_refused_before_compute(overrides, ne
     """Checked by the loop's pre-flight (no worker started): one line naming the field and the fix."""
     from mopd_core.train.loop import check_loop_config
 
-    cfg = load_config("tiny", ["runtime.num_workers=2", "runtime.strategy=fsdp2", *overrides])
+    # the Ray workers' update takes the sampled-token objective (tiny's default, topk_rkl, is refused there)
+    cfg = load_config("tiny", ["runtime.num_workers=2", "runtime.strategy=fsdp2", "mopd.kd_loss=sampled_rkl",
+                               *overrides])
     with pytest.raises(ConfigError) as e:
         check_loop_config("student", cfg.mopd, cfg, cfg.domain_names(), has_teachers=True)
     assert needle in str(e.value) and "\n" not in str(e.value)

@@ -147,3 +147,31 @@ def test_sample_efficiency_ratio_pairs_runs_by_seed():
     a = se.analyse({"build": build, "domains": ["caps"], "runs": runs}, 0.05)
     assert [x["ratio"] for x in a["ratio"]["caps"]] == [5.0, 2.0]
     assert [x["bound"] for x in a["ratio"]["caps"]] == ["=", "="]
+
+
+def test_vs_trl_time_to_accuracy_and_its_acceptance_lines():
+    build = {"sft_eval": {"math": {"greedy": 0.4}}, "expert_eval": {"math": {"math": {"greedy": 0.8}}}}  # target 0.72
+    runs = []
+    for rep in range(5):
+        o = _run("ours", rep, 0.2, 0.1, 0.02, {"math": 0.8}, n=10)
+        o["curve"] = [[0, 0.4, 0.0], [5, 0.73, 2.0], [10, 0.80 + 0.001 * rep, 4.0]]
+        t = _run("trl_b1", rep, 0.4, 0.2, 0.05, {"math": 0.78}, n=10)
+        # TRL reaches the target only at step 10 (6 s), and one seed never does
+        t["curve"] = [[0, 0.4, 0.0], [5, 0.6, 3.0], [10, 0.70 if rep == 4 else 0.75 + 0.02 * rep, 6.0]]
+        runs += [o, t]
+    s = vs.summarise(runs, build)
+    tta = s["tta"]
+    assert tta["target"] == pytest.approx(0.72)
+    assert tta["arms"]["ours"]["reach_s"] == [2.0] * 5 and tta["arms"]["ours"]["reach_samples"] == [5 * 256.0] * 5
+    assert tta["arms"]["trl_b1"]["reach_s"] == [6.0, 6.0, 6.0, 6.0, None]
+    assert vs.time_to([[0, 0.1, 0.0], [5, 0.5, 1.0]], 0.6) is None
+    res = {"machine": {"cpu": "cpu", "cores": 2, "threads": 1, "torch": "t", "trl": "x"}, "steps": 10,
+           "prompts": 32, "group": 8, "max_new_tokens": 10, "repeats": list(range(5)), "arms": ["ours", "trl_b1"],
+           "load": [1.0, 3.0], "wall_s": 60.0, "summary": s, "notes": [], "profile": {}, "runs": runs}
+    md = vs.render(res)
+    assert "| step 0 | step 5 | step 10 |" in md
+    assert "final held-out accuracy ≥ TRL β = 1's mean: met (80.2 vs 76.4 %)" in md
+    assert "spread ≤ half of TRL's or ≤ 2 points: met (std 0.2 vs 4.2 points)" in md
+    assert "| TRL DistillationTrainer β=1 (math) | 5 | 40.0 ± 0.0 | 60.0 ± 0.0 | 76.4 ± 4.2 |" in md
+    assert "≤ TRL's ÷ 1.5: met (2.0 ± 0.0 vs 6.0 ± 0.0 (4/5 seeds) s, ratio 3.00×)" in md
+    assert "≥ 5 seeds per arm: met (5 and 5)" in md
