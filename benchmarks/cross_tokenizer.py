@@ -104,7 +104,7 @@ def run_one(args) -> int:
     from mopd_core.teachers import build_local_router
     from mopd_core.teachers.retokenized import RetokenizedCopy
 
-    seed, variant = args.worker, args.variant
+    seed, variant, rep = args.worker, args.variant, args.rep
     cross = variant == "cross"
     out = Path(args.output_dir) / f"seed{seed}"
     cfg = load_config(args.config, [f"output_dir={out}", *args.overrides, f"seed={seed}",
@@ -125,13 +125,15 @@ def run_one(args) -> int:
         exact = exactness(cfg, router.teachers["code"], scorers["code"])
         exact["bpe_vocab"] = len(bpe)
     t0 = time.perf_counter()
-    res = R.mopd_stage(cfg, sft, experts, progress=False, stage_name="student-xtok" if cross else "student",
-                       scorers=scorers)
+    # a repeat r > 0: the same stage under another name, so only its sampling streams differ (a stage's randomness
+    # derives from (seed, stage name, step)); the eval set and the trained stages stay those of `seed`
+    name = ("student-xtok" if cross else "student") + (f"-rep{rep}" if rep else "")
+    res = R.mopd_stage(cfg, sft, experts, progress=False, stage_name=name, scorers=scorers)
     wall = time.perf_counter() - t0
     info = json.loads((res.stage_dir / "stage.json").read_text())
     steps = info.get("steps") or cfg.mopd.steps
     result = {
-        "seed": seed, "variant": variant, "student": {k: v["greedy"] for k, v in res.eval.items()},
+        "seed": seed, "repeat": rep, "variant": variant, "student": {k: v["greedy"] for k, v in res.eval.items()},
         "sft": _stage_eval(stages / "sft"),
         "experts": {d: _stage_eval(stages / f"expert-{d}")[d] for d in experts},
         "mopd_seconds": round(wall, 1), "steps": steps,
@@ -163,16 +165,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
     L = ["# Cross-tokenizer code teacher in the tiny recipe's MOPD stage", "",
          f"{meta['what']}", "",
          f"Machine: {meta['machine']}; torch threads per run: {meta['threads']}; load average during the runs "
-         f"(shared 2-core machine): {meta['load']}. Seeds run: {meta['seeds']}.", "",
+         f"(shared 2-core machine): {meta['load']}. Training seeds: {meta['seeds']}; MOPD repeats: "
+         f"{meta['repeats']}.", "",
          "Greedy held-out accuracy (%), per seed and variant; bar: student ≥ 90 % of each expert on its domain and "
          "> SFT on every domain.", "",
-         "| seed | variant | " + " | ".join(f"SFT {d}" for d in doms) + " | "
+         "| seed | repeat | variant | " + " | ".join(f"SFT {d}" for d in doms) + " | "
          + " | ".join(f"expert {d}" for d in doms) + " | " + " | ".join(f"student {d}" for d in doms)
          + " | student/expert | bar | MOPD s | code teacher s/step |",
-         "|" + "---|" * (3 * len(doms) + 6)]
+         "|" + "---|" * (3 * len(doms) + 7)]
     for r in rows:
         ratio = " / ".join(f"{r['bar']['domains'][d]['ratio'] * 100:.0f}%" for d in doms)
-        L.append(f"| {r['seed']} | {r['variant']} | " + " | ".join(f"{r['sft'][d] * 100:.1f}" for d in doms) + " | "
+        L.append(f"| {r['seed']} | {r.get('repeat', 0)} | {r['variant']} | "
+                 + " | ".join(f"{r['sft'][d] * 100:.1f}" for d in doms) + " | "
                  + " | ".join(f"{r['experts'][d] * 100:.1f}" for d in doms) + " | "
                  + " | ".join(f"{r['student'][d] * 100:.1f}" for d in doms)
                  + f" | {ratio} | {'PASS' if r['bar']['pass'] else 'FAIL'} | {r['mopd_seconds']:.0f} | "
@@ -180,10 +184,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for v in sorted({r["variant"] for r in rows}):
         sel = [r for r in rows if r["variant"] == v]
         cells = []
-        for d in doms:
+        for d in doms:  # over seeds × repeats
             m, s = _ms([r["student"][d] * 100 for r in sel])
             cells.append(f"{d} {m:.1f} ± {s:.1f}")
-        L += ["", f"- `{v}` student, mean ± std over {len(sel)} seed(s): " + ", ".join(cells)
+        L += ["", f"- `{v}` student, mean ± std over {len(sel)} run(s): " + ", ".join(cells)
               + f"; passes: {sum(r['bar']['pass'] for r in sel)}/{len(sel)}"]
     ex = [r["exactness"] for r in rows if r.get("exactness")]
     if ex:
@@ -206,6 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", required=False, help="trained stages of a seed, `{seed}` substituted")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--variants", default="same,cross")
+    ap.add_argument("--repeats", default="0", help="MOPD repeats per seed from the same trained stages (0 = the "
+                    "stage as the recipe names it; r > 0: other sampling streams)")
+    ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--output-dir", default=str(ROOT / "runs/xtok"))
     ap.add_argument("--out", default=str(OUT))
@@ -220,25 +227,26 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
     root = Path(args.output_dir)
-    jobs = [(s, v) for s in seeds for v in variants]
-    outs = {j: root / f"seed{j[0]}" / f"{j[1]}.json" for j in jobs}
+    repeats = [int(r) for r in args.repeats.split(",")]
+    jobs = [(s, r, v) for s in seeds for r in repeats for v in variants]
+    outs = {j: root / f"seed{j[0]}" / (f"{j[2]}.json" if not j[1] else f"{j[2]}-rep{j[1]}.json") for j in jobs}
     if not args.collect:
         pending, running = list(jobs), {}
         while pending or running:
             while pending and len(running) < args.jobs:
-                s, v = pending.pop(0)
-                outs[(s, v)].parent.mkdir(parents=True, exist_ok=True)
-                log = open(outs[(s, v)].with_suffix(".log"), "w")
+                j = pending.pop(0)
+                outs[j].parent.mkdir(parents=True, exist_ok=True)
+                log = open(outs[j].with_suffix(".log"), "w")
                 cmd = [sys.executable, __file__, "--config", args.config, "--stages", args.stages, "--output-dir",
-                       str(root), "--worker", str(s), "--variant", v, "--worker-out", str(outs[(s, v)]),
-                       *[f"--set={o}" for o in args.overrides]]
-                running[(s, v)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
-                print(f"seed {s} {v}: started", flush=True)
+                       str(root), "--worker", str(j[0]), "--rep", str(j[1]), "--variant", j[2], "--worker-out",
+                       str(outs[j]), *[f"--set={o}" for o in args.overrides]]
+                running[j] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+                print(f"seed {j[0]} repeat {j[1]} {j[2]}: started", flush=True)
             time.sleep(5)
             for j, (p, log) in list(running.items()):
                 if p.poll() is not None:
                     log.close()
-                    print(f"seed {j[0]} {j[1]}: exit {p.returncode}", flush=True)
+                    print(f"seed {j[0]} repeat {j[1]} {j[2]}: exit {p.returncode}", flush=True)
                     del running[j]
     rows = [json.loads(outs[j].read_text()) for j in jobs if outs[j].exists()]
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
     meta = {"what": args.what, "machine": f"{mi['cpu_model']} ({mi['cpu_count']} cores), torch {mi['torch']}",
             "threads": sorted({r["threads"] for r in rows}),
             "load": f"{min(loads):.1f}–{max(loads):.1f}" if loads else "n/a",
-            "seeds": sorted({r["seed"] for r in rows})}
+            "seeds": sorted({r["seed"] for r in rows}), "repeats": sorted({r.get("repeat", 0) for r in rows})}
     Path(args.out).write_text(json.dumps({"meta": meta, "machine": mi, "runs": rows}, indent=2))
     Path(args.out).with_suffix(".md").write_text(markdown(rows, meta))
     print(Path(args.out).with_suffix(".md").read_text())
