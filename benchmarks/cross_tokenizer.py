@@ -18,7 +18,11 @@ of student tokens whose boundaries align and their per-token difference), teache
 seconds and the load average (the machine is shared).
 
     .venv/bin/python benchmarks/cross_tokenizer.py --stages runs/bench/seed{seed}/tiny --seeds 0,1,2 \
-        [--variants same,cross] [--jobs 2] [--set k=v ...] [--output-dir runs/xtok] [--collect]
+        [--repeats 0,1,2] [--variants same,cross] [--jobs 2] [--set k=v ...] [--output-dir runs/xtok] \
+        [--what "one line: what was run"] [--collect]
+
+`--repeats`: MOPD repeats from the same trained stages of a seed (other sampling streams: the stage name seeds
+them), for a spread when training stages per seed does not fit the time.
 """
 
 from __future__ import annotations
