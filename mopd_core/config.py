@@ -478,6 +478,12 @@ class TeachersConfig(_Model):
                                  "max_k ℓ_k − min_k ℓ_k (nats) above which opposite-sign teachers are in conflict.")
     compat: CompatConfig = Field(default_factory=CompatConfig, exclude_if=lambda v: v == CompatConfig(),
                                  description="What the compatibility pre-flight checks and how strictly.")
+    cross_tokenizer: list[str] = Field(
+        default_factory=list, exclude_if=lambda v: not v, description="Teachers allowed a tokenizer and chat "
+        "template other than the student's: each sample is re-rendered in the teacher's template and tokenized by its "
+        "tokenizer, and its log-probs are mapped back onto the student's tokens by character offsets (exact sequence "
+        "sums; docs/cross_tokenizer.md). Needs mopd.kd_loss=sampled_rkl. Empty = every teacher must share the "
+        "student's tokenizer.")
 
 
 class TrainConfig(_Model):
@@ -769,6 +775,13 @@ class RecipeConfig(_Model):
                 if k not in names:
                     raise ValueError(f"teachers.domain_mixture_weights.{d} names unknown teacher '{k}'; known: "
                                      f"{sorted(names)}")
+        for k in self.teachers.cross_tokenizer:
+            if k not in names:
+                raise ValueError(f"teachers.cross_tokenizer names unknown teacher '{k}'; known: {sorted(names)}")
+        if self.teachers.cross_tokenizer and self.mopd.kd_loss != "sampled_rkl":
+            raise ValueError(f"teacher '{self.teachers.cross_tokenizer[0]}' is in teachers.cross_tokenizer (its own "
+                             f"tokenizer) but mopd.kd_loss={self.mopd.kd_loss} compares distributions over one shared "
+                             "vocabulary — use mopd.kd_loss=sampled_rkl, or a teacher with the student's tokenizer")
         unread = unread_settings(self)
         if unread:
             raise ValueError(unread[0])

@@ -241,7 +241,8 @@ def mopd_stage_done(recipe: RecipeConfig, student_init: str | Path, teachers: di
 
 
 def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[str, str | Path],
-               progress: bool = True, stage_name: str = "student", endpoints=None, rnd: int = 1) -> StageOutput:
+               progress: bool = True, stage_name: str = "student", endpoints=None, rnd: int = 1,
+               scorers=None) -> StageOutput:
     """Multi-teacher on-policy distillation: the student samples on the domain mix; each sample is scored by
     its teacher (or a mixture); A = w_rl·A^R + w_kd·A^D. With `teachers.backend: http` the teachers are
     `endpoints` (already running: a `serving.VllmServers` — supervised, dead servers are restarted — or an
@@ -249,7 +250,9 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     started here and stopped when the stage ends (also on failure). A stage already finished with this
     fingerprint and step count is returned as it is, before any teacher is loaded or served.
     `StageOutput.teachers` is the teachers' manifest at the end (http: url, model, restarts, …). `rnd` ≥ 2: the
-    student of that round, in `<run_dir>/r<rnd>/<stage_name>`, labelled `r<rnd>-<stage_name>`."""
+    student of that round, in `<run_dir>/r<rnd>/<stage_name>`, labelled `r<rnd>-<stage_name>`. `scorers`
+    (teachers.backend local): `{name: Teacher}` built by the caller instead of loading `teachers` (e.g.
+    `teachers.retokenized.RetokenizedCopy`); `teachers` still names their checkpoints (identity, pre-flight)."""
     from .teachers.lifecycle import open_teachers
     from .train.loop import final_recovery, run_policy_loop
 
@@ -268,7 +271,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
                           endpoints=endpoints)
     refs = recovery_references(recipe, student_init, teachers, rnd)  # stop_at_recovery without them: fails here
     trainer = policy_trainer(recipe, recipe.mopd, spec.label)
-    local = None
+    local = scorers
     if recipe.mopd.w_kd > 0 and recipe.teachers.placement == "workers":  # on the trainers' devices
         from .distributed.teachers import worker_teachers
 

@@ -142,7 +142,8 @@ def serve_teachers_task(cfg, teachers: dict, student: dict, parent_run_id: str |
         student_path = local_path(student, cache)
         paths = {name: local_path(ref, cache) for name, ref in sorted(teachers.items())}
         out = {name: {"ref": ref["ref"], "path": str(paths[name])} for name, ref in sorted(teachers.items())}
-        _log_inputs(run_id, cfg, mode, out, *lifecycle.check_tokenizers(student_path, paths))
+        _log_inputs(run_id, cfg, mode, out,
+                    *lifecycle.check_tokenizers(student_path, paths, own=cfg.teachers.cross_tokenizer))
         why = (_student_reused(cfg, student, out, student_path, paths, refresh, rnd) if mode != "colocated"
                else None)
         if why:

@@ -70,7 +70,8 @@ class RayTeacher(Teacher):
         self.host, self.name, self.path, self.index, self.count = host, name, str(path), index, count
         self._args = (dtype, offload, temperature, batch_size, logprob_impl)
         self.temperature = float(temperature)
-        self.fingerprint = tokenizer_fingerprint(load_tokenizer(path))  # the router's pre-flight, before any actor
+        self.tokenizer = load_tokenizer(path)  # its own: in teachers.cross_tokenizer it is bridged on the driver
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)  # the router's pre-flight, before any actor
         self.stats = {"seconds": 0.0, "tokens": 0, "calls": 0}
         self.actor = None
         self.worker: dict[str, Any] = {}

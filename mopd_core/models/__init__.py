@@ -79,6 +79,23 @@ def build_tiny_tokenizer(chat: bool = False, vocab_size: int | None = None):
     return fast
 
 
+def build_bpe_tokenizer(texts, vocab_size: int = 160):
+    """A BPE tokenizer over the tiny alphabet, trained on `texts` (merges may span any characters, spaces
+    included): another tokenization of the same strings as `build_tiny_tokenizer`, with the same special tokens
+    (`<pad>`, `<eos>`, `<unk>`) — the other side of a cross-tokenizer teacher (docs/cross_tokenizer.md)."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS, UNK],
+                                  initial_alphabet=list(TINY_ALPHABET), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer)
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    fast.padding_side = "left"
+    return fast
+
+
 def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int = 0,
                      device: torch.device | str | None = None):
     """A model of `tiny`'s shape — Llama-style (`arch: llama`, ~1–5 M parameters for the CPU presets) or
@@ -338,7 +355,8 @@ def check_same_tokenizer(student_fp: str, teacher_fp: str, teacher: str, where: 
     if student_fp != teacher_fp:
         raise ModelError(f"teacher '{teacher}'{where} has tokenizer fingerprint {teacher_fp}, the student has "
                          f"{student_fp}: teachers must share the student's tokenizer (retrain the expert from "
-                         "the same base, or pick a matching teacher)")
+                         "the same base, pick a matching teacher, or list it in teachers.cross_tokenizer to map "
+                         "its log-probs by character offsets)")
 
 
 @lru_cache(maxsize=None)

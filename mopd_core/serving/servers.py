@@ -29,7 +29,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..errors import TeacherError
 from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
@@ -144,7 +144,7 @@ class VllmServers(Supervisor):
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1, devices: Mapping[str, str] | None = None,
                  student_fingerprint: str | None = None, extra_args: list[str] | None = None,
                  env: Mapping[str, str] | None = None, stop_grace_s: float = 15.0, role: str = "teacher",
-                 section: str = "teachers"):
+                 section: str = "teachers", own_tokenizer: Sequence[str] = ()):
         if not checkpoints:
             raise TeacherError(f"no {role} checkpoints to serve")
         self.role = role  # what the logs and errors call a server: "teacher" or "student server" (one lifecycle)
@@ -158,6 +158,7 @@ class VllmServers(Supervisor):
         self.kv_cache_gib, self.extra_args = int(kv_cache_gib), list(extra_args or [])
         self.extra_env, self.stop_grace_s = dict(env or {}), float(stop_grace_s)
         self.restart_counts: dict[str, int] = defaultdict(int)
+        self.own_tokenizer = set(own_tokenizer)  # teachers.cross_tokenizer: not held to the student's fingerprint
         self.manifest_path = self.run_dir / "endpoints.json"
         self._lock = threading.RLock()
         self._stopped = False
@@ -181,7 +182,7 @@ class VllmServers(Supervisor):
     def _fingerprints(self, student_fp: str | None) -> None:
         for tid, s in self.servers.items():
             s.fingerprint = tokenizer_fingerprint(load_tokenizer(s.checkpoint))
-            if student_fp is not None:
+            if student_fp is not None and tid not in self.own_tokenizer:
                 check_same_tokenizer(student_fp, s.fingerprint, tid, f" ({s.checkpoint})")
 
     def _env(self, s: VllmServer) -> dict[str, str]:

@@ -54,6 +54,7 @@ class Teacher:
     path: str
     stats: dict
     fingerprint: str | None = None
+    tokenizer = None  # its own tokenizer where known (a checkpoint's): what `bridge.TokenBridge` re-tokenizes with
     in_process = False  # its weights live in this process (memory pre-flight, colocated turns)
     scores_top_k = True  # `score(..., top_k=k)`: its own k most likely ids and their log-probs (kd_loss=jsd, …)
     scores_any_ids = False  # `score(..., support_ids=)`: log-probs of arbitrary ids (kd_loss=topk_rkl candidates)

@@ -68,7 +68,8 @@ class HttpTeacher(Teacher):
                  fingerprint: str | None = None, temperature: float = 1.0, max_concurrency: int = 4,
                  request_batch_size: int = 8, request_timeout_s: float = 120.0, retries: int = 3,
                  backoff_s: float = 0.5, connect_retries: int = 2, restarts: int = 0,
-                 supervisor: Supervisor | None = None, max_model_len: int | None = None):
+                 supervisor: Supervisor | None = None, max_model_len: int | None = None,
+                 tokenizer: str | Path | None = None):
         import httpx
 
         self.name, self.url = name, url.rstrip("/")
@@ -94,8 +95,12 @@ class HttpTeacher(Teacher):
         self.model = model or info["id"]
         self.max_model_len = max_model_len or info.get("max_model_len")
         self.fingerprint = fingerprint
-        if self.fingerprint is None and self.checkpoint:
-            self.fingerprint = tokenizer_fingerprint(load_tokenizer(self.checkpoint))
+        # its own tokenizer (the checkpoint's, or the manifest's `tokenizer` path): a teacher in
+        # teachers.cross_tokenizer is re-tokenized with it (`bridge.TokenBridge`)
+        tok_src = tokenizer or (self.checkpoint if fingerprint is None else None)
+        self.tokenizer = load_tokenizer(tok_src) if tok_src else None
+        if self.fingerprint is None and self.tokenizer is not None:
+            self.fingerprint = tokenizer_fingerprint(self.tokenizer)
 
     @property
     def path(self) -> str:
@@ -208,17 +213,19 @@ class HttpTeacher(Teacher):
         out = self._post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
         return list(out["tokens"])
 
-    def check_tokenizer(self, student_tokenizer, probe: str = PROBE_TEXT) -> None:
-        """Compare the server's token ids of a probe text (plus the special tokens) with the student's."""
+    def check_tokenizer(self, student_tokenizer, probe: str = PROBE_TEXT, whose: str = "the student") -> None:
+        """Compare the server's token ids of a probe text (plus the special tokens) with the student's (a teacher
+        with its own tokenizer: with that tokenizer's, `whose` = how the message names it)."""
         text = probe + "".join(t for t in (student_tokenizer.eos_token, student_tokenizer.pad_token) if t)
         want = student_tokenizer(text, add_special_tokens=False)["input_ids"]
         got = self.tokenize(text)
         if got != want:
             i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            raise ModelError(f"teacher '{self.name}' ({self.url}) tokenizes the probe text differently from the "
-                             f"student (first difference at token {i}: server {got[i:i + 3]} vs student "
-                             f"{want[i:i + 3]}; {len(got)} vs {len(want)} ids): teachers must share the student's "
-                             "tokenizer")
+            fix = ("teachers must share the student's tokenizer" if whose == "the student" else
+                   "serve the checkpoint whose tokenizer the manifest names")
+            raise ModelError(f"teacher '{self.name}' ({self.url}) tokenizes the probe text differently from "
+                             f"{whose} (first difference at token {i}: server {got[i:i + 3]} vs {want[i:i + 3]}; "
+                             f"{len(got)} vs {len(want)} ids): {fix}")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                     chat_template_kwargs: dict | None = None) -> str | None:
@@ -400,12 +407,17 @@ def build_http_router(endpoints_or_manifest, cfg, student_tokenizer, *, supervis
                 temperature=cfg.temperature, max_concurrency=cfg.max_concurrency,
                 request_batch_size=cfg.request_batch_size, request_timeout_s=cfg.request_timeout_s,
                 retries=cfg.retries, restarts=cfg.restarts if supervisor is not None else 0,
-                supervisor=supervisor, max_model_len=e.get("max_model_len"))
+                supervisor=supervisor, max_model_len=e.get("max_model_len"),
+                tokenizer=e.get("tokenizer") or (e.get("checkpoint") if tid in cfg.cross_tokenizer else None))
             teachers[tid] = t
-            t.check_tokenizer(student_tokenizer)
-            if t.fingerprint is None:
-                t.fingerprint = student_fp  # an external endpoint without checkpoint: the probe is the check
-            check_same_tokenizer(student_fp, t.fingerprint, tid, f" ({t.path})")
+            if tid in cfg.cross_tokenizer and t.tokenizer is not None and t.fingerprint != student_fp:
+                # its own tokenizer (bridged by `open_teachers`): the server must speak that one
+                t.check_tokenizer(t.tokenizer, whose=f"its own tokenizer ({t.fingerprint})")
+            else:
+                t.check_tokenizer(student_tokenizer)
+                if t.fingerprint is None:
+                    t.fingerprint = student_fp  # an external endpoint without checkpoint: the probe is the check
+                check_same_tokenizer(student_fp, t.fingerprint, tid, f" ({t.path})")
             if max_seq_len is not None:
                 t.check_max_len(max_seq_len)
     except Exception as e:

@@ -21,26 +21,29 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..config import RecipeConfig, TeachersConfig
 from ..models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from ..models.chat import carry_chat_template, formatter_for
 from ..runtime import device as devlib
 from ..serving import VllmServers
 from . import TeacherError, TeacherRouter, build_local_router, check_routing
+from .bridge import bridge_teachers
 from .cache import with_score_cache
 from .http import build_http_router, load_manifest
 
 
 def check_tokenizers(student: str | Path, teachers: Mapping[str, str | Path],
-                     where: str = "serve_teachers") -> tuple[str, dict[str, str]]:
-    """Every teacher checkpoint's tokenizer is the student's (one line naming the teacher otherwise). Returns the
-    student's fingerprint and each teacher's."""
+                     where: str = "serve_teachers", own: Sequence[str] = ()) -> tuple[str, dict[str, str]]:
+    """Every teacher checkpoint's tokenizer is the student's (one line naming the teacher otherwise), except the
+    teachers in `own` (teachers.cross_tokenizer: bridged). Returns the student's fingerprint and each teacher's."""
     student_fp = tokenizer_fingerprint(load_tokenizer(student))
     fps = {}
     for name, path in sorted(teachers.items()):
         fps[name] = tokenizer_fingerprint(load_tokenizer(path))
-        check_same_tokenizer(student_fp, fps[name], name, where)
+        if name not in own:
+            check_same_tokenizer(student_fp, fps[name], name, where)
     return student_fp, fps
 
 
@@ -65,7 +68,8 @@ def serve_teachers(checkpoints: Mapping[str, str | Path], cfg: TeachersConfig, r
         checkpoints, run_dir, max_seq_len=max_seq_len, python=cfg.serve_python, max_logprobs=cfg.max_logprobs,
         dtype=cfg.server_dtype, startup_timeout_s=cfg.startup_timeout_s, restarts=cfg.restarts,
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        kv_cache_gib=cfg.kv_cache_gib, devices=devices, student_fingerprint=student_fingerprint, **kw)
+        kv_cache_gib=cfg.kv_cache_gib, devices=devices, student_fingerprint=student_fingerprint,
+        own_tokenizer=cfg.cross_tokenizer, **kw)
 
 
 def _serve(recipe: RecipeConfig, teachers: Mapping[str, str | Path], student_tok,
@@ -242,13 +246,32 @@ def _open(recipe: RecipeConfig, teachers, student, stage_dir, endpoints, local, 
     if backend == "local":
         if local is not None:
             t = recipe.teachers
-            return TeacherSet(TeacherRouter(dict(local), t.routing, t.mixture_kind, t.mixture_weights,
-                                            t.domain_mixture_weights), backend)
-        return TeacherSet(build_local_router(dict(teachers), recipe.teachers, dinfo.torch_device,
-                                             recipe.runtime.dtype, recipe.train.logprob_impl), backend)
+            router = TeacherRouter(dict(local), t.routing, t.mixture_kind, t.mixture_weights, t.domain_mixture_weights)
+        else:
+            router = build_local_router(dict(teachers), recipe.teachers, dinfo.torch_device, recipe.runtime.dtype,
+                                        recipe.train.logprob_impl)
+        return TeacherSet(_bridged(router, recipe, student), backend)
     student_tok = load_tokenizer(student)
     if external:
-        return TeacherSet(build_http_router(external, recipe.teachers, student_tok, max_seq_len=recipe.max_seq_len()),
-                          backend, source=source)
+        router = build_http_router(external, recipe.teachers, student_tok, max_seq_len=recipe.max_seq_len())
+        return TeacherSet(_bridged(router, recipe, student), backend, source=source)
     servers, router = _serve(recipe, teachers, student_tok, Path(stage_dir or recipe.run_dir()) / "teachers")
-    return TeacherSet(router, backend, servers=servers, source=source)
+    return TeacherSet(_bridged(router, recipe, student), backend, servers=servers, source=source)
+
+
+def _bridged(router: TeacherRouter, recipe: RecipeConfig, student: str | Path) -> TeacherRouter:
+    """The router with each teacher in teachers.cross_tokenizer that has its own tokenizer behind a token bridge
+    (`bridge.bridge_teachers`; the others are the same objects). The student's tokenizer and stop ids are the
+    loop's: its checkpoint's, with data.chat's template carried."""
+    if not recipe.teachers.cross_tokenizer:
+        return router
+    tok = load_tokenizer(student)
+    carry_chat_template(tok, recipe.data.chat)
+    stops = formatter_for(tok, recipe.data.chat).stop_ids()
+    try:
+        router.teachers = bridge_teachers(router.teachers, tok, recipe.data.chat, recipe.teachers.cross_tokenizer,
+                                          stops)
+    except BaseException:
+        router.close()
+        raise
+    return router
