@@ -111,8 +111,9 @@ def run_one(args) -> int:
     seed, variant, rep = args.worker, args.variant, args.rep
     cross = variant == "cross"
     out = Path(args.output_dir) / f"seed{seed}"
-    cfg = load_config(args.config, [f"output_dir={out}", *args.overrides, f"seed={seed}",
-                                    *(["teachers.cross_tokenizer=[code]"] if cross else [])])
+    # both variants on the one objective a cross-tokenizer teacher allows (what the committed results ran)
+    cfg = load_config(args.config, [f"output_dir={out}", "mopd.kd_loss=sampled_rkl", *args.overrides,
+                                    f"seed={seed}", *(["teachers.cross_tokenizer=[code]"] if cross else [])])
     R.setup_runtime(cfg)
     stages = Path(args.stages.format(seed=seed))
     sft = stages / "sft" / "final"

@@ -98,6 +98,12 @@ class Teacher:
         compatibility pre-flight must ask the model twice, not the cache)."""
         return self
 
+    def token_mapping(self) -> str | None:
+        """How its log-probs reach the student's tokens when it has a tokenizer of its own (a cross-tokenizer
+        bridge: `bridge.CrossTokenizerTeacher`), for the compatibility pre-flight; None: it scores the student's
+        tokens directly."""
+        return None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                     chat_template_kwargs: dict | None = None) -> str | None:
         """`messages` rendered as text by the teacher's own chat template (the compatibility pre-flight compares it

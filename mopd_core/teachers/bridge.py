@@ -161,6 +161,10 @@ class CrossTokenizerTeacher(Teacher):
         self.in_process = inner.in_process
         self.param_bytes = inner.param_bytes
 
+    def token_mapping(self) -> str | None:
+        return (f"its own tokenizer {self.teacher_fingerprint} and chat template, log-probs mapped onto the "
+                "student's tokens by character offsets (teachers.cross_tokenizer)")
+
     @property
     def path(self) -> str:
         return f"{self.inner.path} (own tokenizer, bridged)"

@@ -180,6 +180,9 @@ def _moded(cfg: CompatConfig, row: CompatRow) -> CompatRow:
 
 
 def _tokenizer_row(name: str, student_fp: str, t: Teacher, mappable) -> CompatRow:
+    bridged = t.token_mapping()
+    if bridged:
+        return CompatRow(name, "tokenizer", "pass", f"mapped: {bridged}")
     if t.fingerprint == student_fp:
         return CompatRow(name, "tokenizer", "pass", f"same fingerprint {student_fp}")
     how = mappable(t) if mappable is not None else None
@@ -243,6 +246,9 @@ def _template_row(name: str, t: Teacher, fmt: PromptFormatter, probe: Probe, rep
                          "rendered on either side")
     if probe.conversation is None:
         return CompatRow(name, "chat_template", "skip", "no probe conversation (no example with an answer)")
+    if t.token_mapping():  # a cross-tokenizer teacher re-renders every sample in its own template, by design
+        return CompatRow(name, "chat_template", "skip", "its own template by design: each sample is re-rendered "
+                         "in it (teachers.cross_tokenizer)")
     conv, prompt = probe.conversation, probe.conversation[:-1]
     mine = {"conversation": fmt.render(conv, False), "prompt": fmt.render(prompt, True)}
     kw = dict(fmt.chat.chat_template_kwargs)  # the student's template arguments (enable_thinking, …) for both

@@ -285,3 +285,22 @@ def test_behind_the_score_cache_the_checks_ask_the_model_not_the_cache(world, tm
                                                                                      " determinism"]]
     assert {n: c.stats for n, c in router.teachers.items()} == before
     assert not list((tmp_path / "cache").glob("*.seg"))
+
+
+def test_a_bridged_teacher_passes_the_tokenizer_check_as_mapped_and_keeps_its_own_template():
+    """A cross-tokenizer teacher (teachers.cross_tokenizer) says how it is mapped: the tokenizer row passes naming
+    the bridge (not "same fingerprint": it speaks the student's tokens only through the bridge), and its own chat
+    template is not a mismatch."""
+    from mopd_core.teachers import Teacher
+    from mopd_core.teachers.compat import _tokenizer_row
+
+    class Bridged(Teacher):
+        name, path, fingerprint = "code", "/m/coder", "student-fp"
+
+        def token_mapping(self):
+            return "its own tokenizer abc, mapped by character offsets"
+
+    row = _tokenizer_row("code", "student-fp", Bridged(), None)
+    assert row.status == "pass" and row.value.startswith("mapped: its own tokenizer abc")
+    plain = Bridged.__mro__[1]  # the base Teacher: scores the student's tokens directly
+    assert plain.token_mapping(Bridged()) is None

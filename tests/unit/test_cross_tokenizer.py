@@ -225,7 +225,7 @@ def test_open_teachers_bridges_only_the_listed_teacher(student, bpe, tmp_path):
     with pytest.raises(ModelError, match="teacher 'code'.*teachers.cross_tokenizer"):
         with open_teachers(cfg, {"math": student, "code": other, "if": student}, student) as ts:
             ts.router.check(tokenizer_fingerprint(load_tokenizer(student)), ["code"])
-    cfg = load_config("tiny", [f"output_dir={tmp_path}", "teachers.cross_tokenizer=[code]"])
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", "teachers.cross_tokenizer=[code]", "mopd.kd_loss=sampled_rkl"])
     with open_teachers(cfg, {"math": student, "code": other, "if": student}, student) as ts:
         r = ts.router
         assert isinstance(r.teachers["code"], CrossTokenizerTeacher)
