@@ -128,6 +128,38 @@ class Teacher:
         """Release what the scorer holds in this process; a server it talks to is not touched."""
 
 
+class WrappingTeacher(Teacher):
+    """A teacher in front of another one, `inner` (the score cache's `CachedTeacher`, the token bridge's
+    `CrossTokenizerTeacher`, the test copy `RetokenizedCopy`): its memory, device turns, placement, counters and
+    lifetime are the inner teacher's; a subclass changes what scoring returns."""
+
+    def __init__(self, inner: Teacher):
+        self.inner = inner
+        self.name = inner.name
+        self.in_process, self.param_bytes = inner.in_process, inner.param_bytes
+        self.temperature = inner.temperature
+
+    @property
+    def stats(self) -> dict:
+        return self.inner.stats
+
+    @property
+    def resident(self) -> bool:
+        return self.inner.resident
+
+    def load(self) -> None:
+        self.inner.load()
+
+    def unload(self) -> None:
+        self.inner.unload()
+
+    def placement(self) -> dict | None:
+        return self.inner.placement()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class LocalTeacher(Teacher):
     """In-process teacher. With `offload`, weights live in CPU memory and visit the device only for a turn
     (`runtime.phases.teacher_turn` loads and unloads them around `score`/`hidden`)."""

@@ -40,7 +40,7 @@ from ..errors import TeacherError
 from ..models import tokenizer_fingerprint
 from ..models.chat import PromptFormatter
 from ..rollout import RolloutBatch
-from . import Teacher, TeacherScore
+from . import Teacher, TeacherScore, WrappingTeacher
 
 
 def completion_ends(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
@@ -144,7 +144,7 @@ class TokenBridge:
         return out.scatter_add_(1, al.owner.clamp(min=0).to(t_logp.device), src)
 
 
-class CrossTokenizerTeacher(Teacher):
+class CrossTokenizerTeacher(WrappingTeacher):
     """A teacher with its own tokenizer, seen in the student's tokens (module docstring). Loading, residency and
     counters are the wrapped teacher's; it gives the sampled token's log-prob only."""
 
@@ -153,13 +153,11 @@ class CrossTokenizerTeacher(Teacher):
     gives_hidden = False
 
     def __init__(self, inner: Teacher, bridge: TokenBridge, student_fingerprint: str):
-        self.inner, self.bridge = inner, bridge
-        self.name = inner.name
+        super().__init__(inner)
+        self.bridge = bridge
         self.fingerprint = student_fingerprint  # what it speaks after the bridge: the student's tokens
         self.teacher_fingerprint = inner.fingerprint
         self.tokenizer = inner.tokenizer
-        self.in_process = inner.in_process
-        self.param_bytes = inner.param_bytes
 
     def token_mapping(self) -> str | None:
         return (f"its own tokenizer {self.teacher_fingerprint} and chat template, log-probs mapped onto the "
@@ -168,26 +166,6 @@ class CrossTokenizerTeacher(Teacher):
     @property
     def path(self) -> str:
         return f"{self.inner.path} (own tokenizer, bridged)"
-
-    @property
-    def stats(self) -> dict:
-        return self.inner.stats
-
-    @property
-    def resident(self) -> bool:
-        return self.inner.resident
-
-    def load(self) -> None:
-        self.inner.load()
-
-    def unload(self) -> None:
-        self.inner.unload()
-
-    def placement(self) -> dict | None:
-        return self.inner.placement()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
         if top_k:

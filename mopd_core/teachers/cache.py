@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..rollout import RolloutBatch
-from . import Teacher, TeacherRouter, TeacherScore
+from . import Teacher, TeacherRouter, TeacherScore, WrappingTeacher
 
 log = logging.getLogger("mopd")
 
@@ -192,16 +192,16 @@ def _read_header(seg: Path) -> dict | None:
         return None
 
 
-class CachedTeacher(Teacher):
+class CachedTeacher(WrappingTeacher):
     """A teacher behind the score cache: rows found are not scored, the others are scored together by the inner
     teacher and stored. Everything else (turns, residency, hidden states for full_jsd) is the inner teacher's.
     `stats` adds `cache_hits`, `cache_misses` (rows) and `cache_saved_s` (the teacher-seconds those hits cost when
     they were scored) to the inner counters."""
 
     def __init__(self, inner: Teacher, identity: str, cache: ScoreCache):
-        self.inner, self.identity, self.cache = inner, identity, cache
-        self.name, self.path, self.fingerprint = inner.name, inner.path, inner.fingerprint
-        self.in_process, self.param_bytes = inner.in_process, inner.param_bytes
+        super().__init__(inner)
+        self.identity, self.cache = identity, cache
+        self.path, self.fingerprint = inner.path, inner.fingerprint
         self.scores_top_k, self.scores_any_ids = inner.scores_top_k, inner.scores_any_ids
         self.gives_hidden = inner.gives_hidden
         self._prefix = identity.encode()
@@ -210,22 +210,6 @@ class CachedTeacher(Teacher):
     @property
     def stats(self) -> dict:
         return {**self.inner.stats, **self._counts}
-
-    @property
-    def resident(self) -> bool:
-        return self.inner.resident
-
-    def load(self) -> None:
-        self.inner.load()
-
-    def unload(self) -> None:
-        self.inner.unload()
-
-    def placement(self) -> dict | None:
-        return self.inner.placement()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def hidden(self, batch: RolloutBatch, device):
         return self.inner.hidden(batch, device)  # full_jsd: hidden states are not cached (N×H per row)

@@ -15,10 +15,10 @@ import torch
 
 from ..models import tokenizer_fingerprint
 from ..rollout import RolloutBatch
-from . import LocalTeacher, Teacher, TeacherScore
+from . import LocalTeacher, TeacherScore, WrappingTeacher
 
 
-class RetokenizedCopy(Teacher):
+class RetokenizedCopy(WrappingTeacher):
     """`base` (a `LocalTeacher`) read through `tokenizer` (module docstring). Loading and counters are the
     base's."""
 
@@ -26,10 +26,9 @@ class RetokenizedCopy(Teacher):
     scores_top_k = False
 
     def __init__(self, base: LocalTeacher, tokenizer):
+        super().__init__(base)
         self.base, self.tokenizer = base, tokenizer
-        self.name = base.name
         self.fingerprint = tokenizer_fingerprint(tokenizer)
-        self.param_bytes = base.param_bytes
         specials = set(tokenizer.all_special_ids)
         btok = base.tokenizer
         # each own id → the base ids that spell it (special tokens by name: EOS is EOS on both sides)
@@ -45,20 +44,6 @@ class RetokenizedCopy(Teacher):
     @property
     def path(self) -> str:
         return f"{self.base.path} (re-tokenized copy)"
-
-    @property
-    def stats(self) -> dict:
-        return self.base.stats
-
-    @property
-    def resident(self) -> bool:
-        return self.base.resident
-
-    def load(self) -> None:
-        self.base.load()
-
-    def unload(self) -> None:
-        self.base.unload()
 
     def _base_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, list[list[int]]]:
         """The batch spelled in base tokens, and per row the number of base tokens of each own completion token."""
