@@ -645,7 +645,8 @@ class MOPDConfig(PolicyLoopConfig):
     # dense top-K by default: the per-position expectation of the sampled-token advantage, less noise per sample
     # (docs/objectives.md, "Why the default is dense"); `sampled_rkl` stays for Ray workers and the async pipeline
     kd_loss: Literal["sampled_rkl", "jsd", "topk_rkl", "full_jsd"] = Field(
-        "topk_rkl", description=PolicyLoopConfig.model_fields["kd_loss"].description)
+        "topk_rkl", description=PolicyLoopConfig.model_fields["kd_loss"].description + " Default: `topk_rkl` "
+        "where it runs (one process, local teachers of the student's tokenizer, not async), else `sampled_rkl`.")
     # changes which prompts later steps sample, so it is part of the fingerprint — left out of the dump while
     # None, so configs without it keep their stage fingerprints
     stop_at_recovery: float | dict[str, float] | None = Field(
@@ -742,6 +743,20 @@ class RecipeConfig(_Model):
         description="Where the student of round r ≥ 2 starts: `previous` = round r−1's student (continued), "
                     "`sft` = the SFT model (a fresh student distilled from the new experts). Empty = previous; "
                     "only meaningful with rounds ≥ 2.")
+
+    @model_validator(mode="after")
+    def _default_objective(self) -> "RecipeConfig":
+        """mopd.kd_loss left unset: the dense `topk_rkl` where it runs (one process, in-process teachers of the
+        student's tokenizer, a synchronous loop), else the sampled-token `sampled_rkl` — so a config that only
+        changes the serving, the placement or the strategy gets the objective that runs there, not a refusal. A
+        value the user sets is kept (and refused with its fix where it cannot run)."""
+        if "kd_loss" in self.mopd.model_fields_set:
+            return self
+        t, rt = self.teachers, self.runtime
+        if t.backend == "http" or t.cross_tokenizer or rt.strategy != "single" or rt.placement == "async":
+            self.mopd.kd_loss = "sampled_rkl"
+            self.mopd.model_fields_set.discard("kd_loss")  # still the default: a later override resolves again
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> "RecipeConfig":
