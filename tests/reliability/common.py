@@ -216,12 +216,16 @@ def kill_step(case: str, lo: int, hi: int) -> int:
 
 
 _TIMING = ("perf/", "mem/")
+# the teacher-score cache's accounting: a resumed or rerun step finds its rows in the cache, so its teachers score
+# fewer tokens (`teacher/<t>/tokens` counts the tokens a teacher really scored) — work done, not a training number
+_WORK = ("/cache_hits", "/cache_misses", "/tokens")
 
 
 def deterministic(row: dict) -> dict:
-    """A metrics row without wall-clock and memory readings (everything else is a function of the seed)."""
+    """A metrics row without wall-clock and memory readings and the score cache's accounting (everything else is
+    a function of the seed)."""
     return {k: v for k, v in row.items() if not k.startswith(_TIMING) and not k.endswith("_s")
-            and not k.endswith("_mb")}
+            and not k.endswith("_mb") and not (k.startswith("teacher/") and k.endswith(_WORK))}
 
 
 def file_sha(p: Path) -> str:
