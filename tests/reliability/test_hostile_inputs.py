@@ -372,8 +372,10 @@ CASES = [
           ("async-without-async-placement", ["async.max_staleness=2"], ["async", "runtime.placement=async"]),
           ("servers-without-served-rollout", ["rollout.servers=2"], ["rollout.servers", "rollout.backend=served"]),
           ("vllm-option-with-hf-rollout", ["rollout.sleep_level=2"], ["rollout.sleep_level", "rollout.backend=vllm"]),
-          ("kd-top-k-with-sampled-rkl", ["mopd.kd_top_k=4"], ["mopd.kd_top_k", "kd_loss=topk_rkl"]),
-          ("kd-candidates-with-sampled-rkl", ["mopd.kd_candidates=teacher"], ["mopd.kd_candidates", "topk_rkl"]),
+          ("kd-top-k-with-sampled-rkl", ["mopd.kd_loss=sampled_rkl", "mopd.kd_top_k=4"],
+           ["mopd.kd_top_k", "kd_loss=topk_rkl"]),
+          ("kd-candidates-with-sampled-rkl", ["mopd.kd_loss=sampled_rkl", "mopd.kd_candidates=teacher"],
+           ["mopd.kd_candidates", "topk_rkl"]),
           ("gap-clip-without-gap-following", ["mopd.gap_clip=[0.1,10]"], ["mopd.gap_clip", "gap_following"]),
           ("gap-momentum-without-gap-following", ["mopd.gap_momentum=0.5"], ["mopd.gap_momentum", "gap_following"]),
           ("jsd-beta-with-sampled-rkl", ["mopd.jsd_beta=0.5"], ["mopd.jsd_beta", "kd_loss=jsd"]),
@@ -431,7 +433,10 @@ CASES = [
     # finite but far too large: the next step's loss is not finite — the stage stops there (every step is checked,
     # loss, gradient and weights) instead of finishing; the new stage's folder may stay, without a final model
     Case("numbers-learning-rate-that-diverges", "hostile/numbers",
-         lambda w, c: _stage_mopd(w, "mopd.lr=1e37", "name=diverge"),  # a run of its own: no other case's student
+         # a run of its own (no other case's student); the math teacher the untrained base, so the distillation
+         # gradient is not zero (the student as its own teacher gives exactly none under the dense objective)
+         lambda w, c: ["stage", "mopd", "--init", str(w.sft), "--teacher", f"math={w.root / 't' / 'base'}",
+                       "--teacher", f"code={w.sft}", "--teacher", f"if={w.sft}", *w.ov("mopd.lr=1e37", "name=diverge")],
          lambda w, c: ["non-finite", "lower the lr"], may_create=("diverge",)),
     Case("teacher-for-no-domain", "hostile/teacher",
          lambda w, c: ["stage", "mopd", "--init", str(w.sft), *[a for d in ("math", "code", "if", "poetry")
