@@ -64,6 +64,7 @@ class RayTeacher(Teacher):
     device. `host` is the stage's `RayPolicyTrainer` (its started group gives the placement group)."""
 
     in_process = False  # its weights live in a worker process: no driver memory, no colocated turn here
+    scores_before_training = False  # its actor lives on a training worker, started with the stage's trainers
 
     def __init__(self, host: Any, name: str, path: str | Path, index: int, count: int, *, dtype: str,
                  offload: bool, temperature: float, batch_size: int | None, logprob_impl: str) -> None:

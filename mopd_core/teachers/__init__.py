@@ -61,6 +61,7 @@ class Teacher:
     gives_hidden = False  # `hidden(batch, device)`: final hidden states and lm_head (kd_loss=full_jsd)
     param_bytes = 0     # bytes of those weights
     temperature = 1.0   # the softmax temperature of its log-probs (the compatibility pre-flight compares it)
+    scores_before_training = True  # can be asked before the stage's trainers start (the pre-flight's probes)
 
     @property
     def resident(self) -> bool:
@@ -138,6 +139,7 @@ class WrappingTeacher(Teacher):
         self.name = inner.name
         self.in_process, self.param_bytes = inner.in_process, inner.param_bytes
         self.temperature = inner.temperature
+        self.scores_before_training = inner.scores_before_training
 
     @property
     def stats(self) -> dict:

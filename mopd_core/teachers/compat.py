@@ -152,6 +152,11 @@ def check_compatibility(router: TeacherRouter, student_tokenizer, recipe: Recipe
             report.rows += [CompatRow(name, c, "skip", "not run: the tokenizer needs mapping first")
                             for c in ("eos", "determinism", "logprob_mode")]
             continue
+        if not t.scores_before_training:
+            report.rows += [CompatRow(name, c, "skip", "not run: the teacher scores on the training workers "
+                                      "(teachers.placement=workers), which start with the stage's trainers")
+                            for c in ("eos", "determinism", "logprob_mode")]
+            continue
         if not probe.prompts:
             report.rows += [CompatRow(name, c, "skip", f"not run: no held-out example with a reference answer in "
                                       f"{', '.join(names)}") for c in ("eos", "determinism", "logprob_mode")]
