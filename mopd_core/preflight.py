@@ -130,12 +130,15 @@ def check_compatibility(recipe: RecipeConfig, router, student: str | Path, domai
     student at `student` on probe rows of `domains`, after the teachers are open and before the stage folder is
     claimed. Logs the table and each warning; raises `CompatError` (one line per failure, the table on it) when a
     check set to `fail` failed. Returns the `CompatReport` for the stage's run."""
-    from .models import load_tokenizer
+    from .models import check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
     from .models.chat import carry_chat_template
     from .teachers.compat import CompatError, check_compatibility as run_checks
 
     tok = load_tokenizer(student)
     carry_chat_template(tok, recipe.data.chat)
+    fp = tokenizer_fingerprint(tok)
+    for name, t in router.teachers.items():  # a hard rule, not a check to skip: the router's own, first
+        check_same_tokenizer(fp, t.fingerprint, name, f" ({t.path})")
     report = run_checks(router, tok, recipe, domains, devlib.resolve(recipe.runtime.device).torch_device, mappable)
     log.info("teacher compatibility pre-flight:\n%s", report.markdown().split("\n\n## ")[0])
     for line in report.warnings():
