@@ -99,8 +99,9 @@ def _results(history):
 # ------------------------------------------------------------------------------------------------ truncated
 
 
-@pytest.mark.parametrize("extra", [["rollout.top_k=5", "rollout.top_p=0.9"], ["rollout.min_p=0.5",
-                                                                                "rollout.temperature=0.5"]])
+# the teachers score at the sampling temperature (the compatibility pre-flight refuses τ 1 against 0.5)
+@pytest.mark.parametrize("extra", [["rollout.top_k=5", "rollout.top_p=0.9"],
+                                   ["rollout.min_p=0.5", "rollout.temperature=0.5", "teachers.temperature=0.5"]])
 def test_truncated_rollout_trains_on_the_trainers_recomputed_behaviour_logprobs(tmp_path, models, monkeypatch,
                                                                                  extra):
     calls = []
