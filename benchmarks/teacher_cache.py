@@ -49,9 +49,6 @@ KINDS = {"uncached": "no cache (reference)", "fresh": "cache, fresh (empty)",
          "resumed_new": "cache, resumed: the step after it (new)", "replayed": "cache, whole stage replayed"}
 
 
-class _Stop(Exception):
-    pass
-
 
 def _rows(stage_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -75,25 +72,15 @@ def _step(row: dict, kind: str, ref: dict | None) -> dict:
 
 def _run(cfg, student, teachers, stop_after: int | None = None):
     from mopd_core import recipe as R
-    from mopd_core.train import loop as L
+
+    from tests.conftest import StageStopped, interrupted_mopd_stage  # the test's own interruption
 
     if stop_after is None:
         return R.mopd_stage(cfg, student, teachers, progress=False)
-    orig = L.run_policy_loop
-
-    def interrupted(**kw):
-        def on_step(step, m):
-            if step == stop_after:
-                raise _Stop
-        return orig(**kw, on_step=on_step)
-
-    L.run_policy_loop = interrupted
     try:
-        R.mopd_stage(cfg, student, teachers, progress=False)
-    except _Stop:
+        interrupted_mopd_stage(cfg, student, teachers, stop_after)
+    except StageStopped:
         pass
-    finally:
-        L.run_policy_loop = orig
 
 
 def one_repeat(base, student, teachers, work: Path, steps: int) -> list[dict]:

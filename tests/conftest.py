@@ -117,6 +117,31 @@ def tiny_overrides(tmp_path) -> list[str]:
     ]
 
 
+class StageStopped(Exception):
+    """Raised by `interrupted_mopd_stage` after its step: a stage cut short as a kill would, checkpoints kept."""
+
+
+def interrupted_mopd_stage(cfg, student, teachers, stop_after: int) -> None:
+    """`recipe.mopd_stage` stopped right after step `stop_after` (the loop's own `on_step` raising
+    `StageStopped`): what a resumed stage then starts from. Raises `StageStopped`."""
+    from mopd_core import recipe as R
+    from mopd_core.train import loop as L
+
+    orig = L.run_policy_loop
+
+    def interrupted(**kw):
+        def on_step(step, m):
+            if step == stop_after:
+                raise StageStopped
+        return orig(**kw, on_step=on_step)
+
+    L.run_policy_loop = interrupted
+    try:
+        R.mopd_stage(cfg, student, teachers, progress=False)
+    finally:
+        L.run_policy_loop = orig
+
+
 def perturbed_teachers(cfg, sft_dir, tmp_path) -> dict:
     """Cheap stand-in teachers: the SFT weights plus a different small perturbation per domain."""
     from mopd_core.models import load_model, load_tokenizer

@@ -13,14 +13,10 @@ import pytest
 
 from mopd_core import recipe as R
 from mopd_core.models import build_tiny
-from mopd_core.train import loop as L
-from tests.conftest import perturbed_teachers
+from tests.conftest import StageStopped, interrupted_mopd_stage, perturbed_teachers
 
 COMPARED = ("loss", "grad_norm", "adv/kd_mean", "reward/mean")
 
-
-class _Stop(Exception):
-    pass
 
 
 def _rows(stage_dir: Path) -> dict[int, dict]:
@@ -51,20 +47,8 @@ def test_cached_stage_equals_uncached_fresh_resumed_and_replayed(tiny_cfg, tmp_p
         c.teachers.score_cache = cache
         if stop_after is None:
             return R.mopd_stage(c, student, teachers, progress=False)
-        orig = L.run_policy_loop
-
-        def interrupted(**kw):
-            def on_step(step, m):
-                if step == stop_after:
-                    raise _Stop
-            return orig(**kw, on_step=on_step)
-
-        L.run_policy_loop = interrupted
-        try:
-            with pytest.raises(_Stop):
-                R.mopd_stage(c, student, teachers, progress=False)
-        finally:
-            L.run_policy_loop = orig
+        with pytest.raises(StageStopped):
+            interrupted_mopd_stage(c, student, teachers, stop_after)
 
     ref = _rows(run("uncached", False).stage_dir)
     assert ref[4]["grad_norm"] > 0 and "teacher/math/cache_hits" not in ref[1]
