@@ -245,25 +245,10 @@ def offload_module(module: torch.nn.Module, device: torch.device | str = "cpu", 
     return moved
 
 
-def offload_optimizer(opt: torch.optim.Optimizer, device: torch.device | str = "cpu",
-                      non_blocking: bool = False) -> int:
-    """Move an optimizer's state tensors (AdamW moments) to `device`; 0-dim `step` counters stay put. Returns
-    the bytes moved; call `empty_cache(kind)` afterwards to give the memory to another engine."""
-    target = torch.device(device)
-    moved = 0
-    for st in opt.state.values():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != target:
-                moved += v.numel() * v.element_size()
-                st[k] = v.to(target, non_blocking=non_blocking)
-    return moved
-
-
 class HostMirror:
     """Where the optimizer state (AdamW moments) waits on the host while colocated rollout and teachers use the
     device: one page-locked buffer per state tensor, allocated at the first offload and reused at every later
-    one, each move one asynchronous copy per tensor and one synchronisation. `offload_optimizer`'s pageable
-    `.to("cpu")` allocates host memory and stages each tensor through a bounce buffer every step — several times
+    one, each move one asynchronous copy per tensor and one synchronisation. A pageable `.to("cpu")` allocates host memory and stages each tensor through a bounce buffer every step — several times
     slower over the same link (the H200 stage: 12.8 GiB each way per step). As verl's and NeMo-RL's offload
     paths, pinned memory; on cpu nothing moves."""
 

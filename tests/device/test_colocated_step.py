@@ -43,7 +43,7 @@ def test_colocated_mopd_step_with_vllm(tmp_path):
     from mopd_core.models import load_model, load_tokenizer, save_pretrained
     from mopd_core.rollout import completion_logprobs
     from mopd_core.rollout.engines import VllmRollout
-    from mopd_core.runtime.device import empty_cache, offload_optimizer
+    from mopd_core.runtime.device import HostMirror, empty_cache
     from mopd_core.teachers import build_local_router
 
     dev = torch.device(kind, 0)
@@ -56,6 +56,7 @@ def test_colocated_mopd_step_with_vllm(tmp_path):
     model.train()
     tok = load_tokenizer(path)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mirror = HostMirror(kind, dev)  # the loop's offload: reused page-locked host buffers
     router = build_local_router({"math": tpath}, TeachersConfig(offload=True), dev)
     phases: list[dict] = []
 
@@ -84,7 +85,7 @@ def test_colocated_mopd_step_with_vllm(tmp_path):
             mask = batch.completion_mask.float()
             adv = alg.reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask, clip=5.0)
             with Timer(kind) as t_train:
-                offload_optimizer(opt, dev)  # the optimizer state comes back for the update only
+                mirror.restore(opt)  # the optimizer state comes back for the update only
                 logp = completion_logprobs(model, batch)
                 loss, m = alg.policy_loss(logp, batch.behaviour_logp, adv, mask)
                 opt.zero_grad(set_to_none=True)
@@ -92,7 +93,7 @@ def test_colocated_mopd_step_with_vllm(tmp_path):
                 opt.step()
                 mark(f"step{step}/updated")
                 opt.zero_grad(set_to_none=True)
-                offload_optimizer(opt, "cpu")  # give the memory back to the engine for the next rollout
+                mirror.offload(opt)  # give the memory back to the engine for the next rollout
                 empty_cache(kind)
             mark(f"step{step}/optimizer offloaded")
             # on-policy: the engine's behaviour log-probs are the trainer's own (ρ = 1 at the start)
