@@ -132,8 +132,8 @@ def check_colocated_fit(*, kind: str, limit_gib: float | None, student_bytes: in
     `trainable_bytes` (LoRA): only these parameters have gradients and optimizer state; the frozen rest is weights
     alone. `sampling`: what the rollout engine holds beyond the weights while it samples (the HF engine's KV cache,
     `kv_cache_bytes`); `scoring`: a teacher's forward over the batch (`forward_activation_bytes`). Both 0 unless
-    given: the loop's and the pre-flight's checks leave them out (a benchmark adds them to compare with the
-    measured peaks)."""
+    given: the pre-flight passes them (`preflight.transient_bytes`); the loop's re-check of the loaded models
+    leaves them out."""
     w = student_bytes / MB
     if gathered is not None:
         on_device = 2 * gathered / MB
