@@ -166,3 +166,14 @@ def test_the_per_rank_estimate_of_the_open_mopd_preset():
     assert "train.gradient_checkpointing=true" in msg and "\n" not in msg
     with pytest.raises(ColocationError, match="shard it: runtime.strategy=fsdp2"):
         check("runtime.num_workers=1", "runtime.strategy=single", "runtime.memory_limit_gib=40")
+
+
+def test_an_unset_kd_loss_is_the_dense_one_only_where_it_runs():
+    """mopd.kd_loss left unset: dense top-K with local teachers in one synchronous process; the sampled-token
+    objective where the dense one cannot run (http teachers, async, Ray workers, cross-tokenizer teachers); a value
+    the user sets is kept (and refused later where it cannot run)."""
+    assert load_config("tiny", []).mopd.kd_loss == "topk_rkl"
+    for over in (["teachers.backend=http"], ["runtime.placement=async"], ["teachers.cross_tokenizer=[code]"]):
+        assert load_config("tiny", over).mopd.kd_loss == "sampled_rkl", over
+    assert load_config("tiny", ["teachers.backend=http", "mopd.kd_loss=topk_rkl"]).mopd.kd_loss == "topk_rkl"
+    assert load_config("tiny", ["mopd.kd_loss=sampled_rkl"]).mopd.kd_loss == "sampled_rkl"
