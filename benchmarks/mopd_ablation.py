@@ -83,6 +83,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                          ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
     "k4_share_gap_dense_rl": ("+ share + gap, K=4, dense top-K RKL, + reward w_rl=1",
                               ["mopd.minibatches=4", *SHARE_GAP, "mopd.kd_loss=topk_rkl", "mopd.w_rl=1"]),
+    "k8_share_gap_dense_rl": ("+ share + gap, K=8, dense top-K RKL, + reward w_rl=1",
+                              ["mopd.minibatches=8", *SHARE_GAP, "mopd.kd_loss=topk_rkl", "mopd.w_rl=1"]),
     "k8_refresh_dense": ("+ refresh (share + gap, K=8), dense top-K RKL",
                          ["mopd.minibatches=8", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl"]),
 }
