@@ -26,6 +26,19 @@ log = logging.getLogger("mopd")
 
 
 @dataclass
+class CompletionScores:
+    logp: torch.Tensor                        # [B,T] log-prob of each completion token, 0 where masked
+    entropy: torch.Tensor | None = None       # [B,T] detached
+    topk_ids: torch.Tensor | None = None      # [B,T,k]
+    topk_logp: torch.Tensor | None = None     # [B,T,k] detached
+    support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
+    hidden: torch.Tensor | None = None        # [N,H] final hidden states of the N real completion positions, row-major
+
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return self.logp, self.entropy, self.topk_ids, self.topk_logp, self.support_logp, self.hidden
+
+
+@dataclass
 class RolloutBatch:
     prompt_ids: torch.Tensor        # [B,P] left-padded
     prompt_mask: torch.Tensor       # [B,P]
@@ -34,6 +47,21 @@ class RolloutBatch:
     behaviour_logp: torch.Tensor    # [B,T] log π_old(y_t) at the sampling temperature, 0 where masked
     examples: list[Any] = field(default_factory=list)  # one Example per row (prompt, teacher_id, answer…)
     texts: list[str] = field(default_factory=list)     # decoded completions (no special tokens)
+    # the sampler's own top-k of the untruncated tempered log-softmax at each position, `[B,T,k]` ids and log-probs
+    # (vLLM's `logprobs=k`), when the engine was asked for them (`generate(top_logprobs=k)`); None otherwise
+    top_ids: torch.Tensor | None = None
+    top_logp: torch.Tensor | None = None
+
+    def top_logprobs(self, k: int) -> CompletionScores | None:
+        """The sampler's top-`k` as the scores a no-grad scoring pass would give (`topk_ids`, `topk_logp`, and
+        the behaviour log-probs as `logp`); None when the engine recorded no top-k or another k."""
+        if self.top_ids is None or self.top_ids.shape[-1] != k:
+            return None
+        return CompletionScores(self.behaviour_logp, topk_ids=self.top_ids, topk_logp=self.top_logp)
+
+    def _top(self, f) -> dict[str, torch.Tensor | None]:
+        return {"top_ids": None if self.top_ids is None else f(self.top_ids),
+                "top_logp": None if self.top_logp is None else f(self.top_logp)}
 
     @property
     def size(self) -> int:
@@ -51,37 +79,25 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
                             self.completion_mask[idx], self.behaviour_logp[idx],
                             [self.examples[i] for i in il] if self.examples else [],
-                            [self.texts[i] for i in il] if self.texts else [])
+                            [self.texts[i] for i in il] if self.texts else [], **self._top(lambda x: x[idx]))
 
     def to(self, device) -> "RolloutBatch":
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device),
                             self.completion_ids.to(device), self.completion_mask.to(device),
-                            self.behaviour_logp.to(device), self.examples, self.texts)
+                            self.behaviour_logp.to(device), self.examples, self.texts,
+                            **self._top(lambda x: x.to(device)))
 
     def tensors(self, device="cpu") -> "RolloutBatch":
         """The tensors only, on `device`: what crosses a process boundary (to a Ray worker) — scoring and the
         update read nothing else, and the examples' Python objects would be pickled for nothing."""
         return RolloutBatch(self.prompt_ids.to(device), self.prompt_mask.to(device),
                             self.completion_ids.to(device), self.completion_mask.to(device),
-                            self.behaviour_logp.to(device))
+                            self.behaviour_logp.to(device), **self._top(lambda x: x.to(device)))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (a left-padded row must see the same positions as an unpadded one)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@dataclass
-class CompletionScores:
-    logp: torch.Tensor                        # [B,T] log-prob of each completion token, 0 where masked
-    entropy: torch.Tensor | None = None       # [B,T] detached
-    topk_ids: torch.Tensor | None = None      # [B,T,k]
-    topk_logp: torch.Tensor | None = None     # [B,T,k] detached
-    support_logp: torch.Tensor | None = None  # [B,T,S] log-probs of `support_ids` (with gradient)
-    hidden: torch.Tensor | None = None        # [N,H] final hidden states of the N real completion positions, row-major
-
-    def fields(self) -> tuple[torch.Tensor | None, ...]:
-        return self.logp, self.entropy, self.topk_ids, self.topk_logp, self.support_logp, self.hidden
 
 
 _BLOCK_MASK_WARN = 2**28  # elements of a block-diagonal mask (bool: 256 MiB) past which packing warns
@@ -301,7 +317,7 @@ def sampling_mask(logits: torch.Tensor, *, top_p: float = 1.0, top_k: int = 0, m
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            eos_id: int | Sequence[int], pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
            top_k: int = 0, min_p: float = 0.0, greedy: bool = False, generator: torch.Generator | None = None,
-           kv_cache: str = "preallocated"):
+           kv_cache: str = "preallocated", top_logprobs: "TopLogprobs | None" = None):
     """Batched sampling with a KV cache. Returns completion ids `[B,T]`, mask `[B,T]`, behaviour log-probs `[B,T]`.
     A row stops after any of the stop ids `eos_id` (one id or several: EOS and the chat template's end-of-turn
     token), which stays inside its mask.
@@ -316,7 +332,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
 
     `kv_cache`: "preallocated" (default) writes each token's keys/values into buffers sized for prompt + budget
     (`rollout.kvcache`), and the attention mask likewise; "dynamic" is transformers' growing `DynamicCache` (a
-    `torch.cat` of the whole cache per token). Both give bit-identical samples and log-probs (tested)."""
+    `torch.cat` of the whole cache per token). Both give bit-identical samples and log-probs (tested).
+
+    `top_logprobs`: a `TopLogprobs` that records the top-k of each step's distribution (see `decode_loop`)."""
     if kv_cache not in ("preallocated", "dynamic"):
         raise ValueError(f"kv_cache={kv_cache!r}: use 'preallocated' or 'dynamic'")
     B, P = prompt_ids.shape
@@ -344,33 +362,61 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
 
     return decode_loop(logits[:, -1], step, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, greedy=greedy,
-                       generator=generator)
+                       generator=generator, top_logprobs=top_logprobs)
+
+
+class TopLogprobs:
+    """The top-`k` ids and log-probs of the untruncated tempered log-softmax at each sampled position — what a
+    no-grad scoring pass of the same weights (`score_completions(top_k=k)`) computes, taken while the sampler holds
+    each step's logits anyway (vLLM's `logprobs=k`). The dense top-K objective reads its candidates here instead
+    of running that pass (`RolloutBatch.top_logprobs`). `[B,k]` a step, never a `[B,T,V]` tensor."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logp: list[torch.Tensor] = []
+
+    def record(self, logp: torch.Tensor, live: torch.Tensor) -> None:
+        """One step: `logp [B,V]` the untruncated tempered log-softmax; rows not `live` record zeros."""
+        v, i = logp.topk(self.k, dim=-1)
+        self.ids.append(torch.where(live[:, None], i, torch.zeros_like(i)))
+        self.logp.append(torch.where(live[:, None], v, torch.zeros_like(v)))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`([B,T,k] ids, [B,T,k] log-probs)` of the steps recorded."""
+        return torch.stack(self.ids, 1), torch.stack(self.logp, 1)
 
 
 def decode_loop(logits: torch.Tensor, step, *, max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                greedy: bool = False, generator: torch.Generator | None = None):
+                greedy: bool = False, generator: torch.Generator | None = None,
+                top_logprobs: TopLogprobs | None = None):
     """The token loop every in-process sampler shares (`sample`, `rollout.graphed`): from the prompt's last logits
     `[B,V]`, draw a token per row, then `step(tokens [B]) -> next logits [B,V]`, until `max_new_tokens` or every
     row drew a stop id (`eos_id`; an empty sequence never stops: ignore_eos). One draw per step from `generator`
     over the whole batch, so two samplers whose `step` gives the same logits give the same samples. Returns
-    completion ids, mask and behaviour log-probs `[B,T]` (see `sample`)."""
+    completion ids, mask and behaviour log-probs `[B,T]` (see `sample`); `top_logprobs` records each step's top-k."""
     dev = logits.device
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=dev)
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
     toks, lps, masks = [], [], []
+    truncates = not greedy and (top_p < 1.0 or top_k > 0 or min_p > 0.0)
     for i in range(max_new_tokens):
         lg = logits.float() / temperature
+        live = ~finished
+        if top_logprobs is not None and truncates:  # the candidates come from the untruncated distribution
+            top_logprobs.record(torch.log_softmax(lg, dim=-1), live)
         if greedy:
             logp = torch.log_softmax(lg, dim=-1)
             tok = lg.argmax(-1)
         else:  # the distribution sampled from: truncated and renormalised when top_p / top_k / min_p are on
-            if top_p < 1.0 or top_k > 0 or min_p > 0.0:
+            if truncates:
                 lg = lg.masked_fill(~sampling_mask(lg, top_p=top_p, top_k=top_k, min_p=min_p), float("-inf"))
             logp = torch.log_softmax(lg, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        if top_logprobs is not None and not truncates:
+            top_logprobs.record(logp, live)
         lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-        live = ~finished
         toks.append(torch.where(live, tok, torch.full_like(tok, pad_id)))
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
         masks.append(live.long())
@@ -389,8 +435,11 @@ class RolloutEngine:
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
-        """Sample one completion per example (`sample`'s truncation: top_k 0 and min_p 0 are off)."""
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                 top_logprobs: int = 0) -> RolloutBatch:
+        """Sample one completion per example (`sample`'s truncation: top_k 0 and min_p 0 are off).
+        `top_logprobs` k > 0: also record each position's top-k (`RolloutBatch.top_ids`/`top_logp`) where the
+        engine holds the logits; an engine that does not leaves them None (the objective then scores them)."""
         raise NotImplementedError
 
     def sync_weights(self, model=None) -> dict:
@@ -430,7 +479,8 @@ class HFRollout(RolloutEngine):
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                 top_logprobs: int = 0) -> RolloutBatch:
         was_training = self.model.training
         self.model.eval()
         parts = []
@@ -441,14 +491,16 @@ class HFRollout(RolloutEngine):
                 chunk = list(examples[s:s + step])
                 ids, mask = encode_prompts(self.tokenizer, chunk, self.device, self.max_prompt_tokens,
                                            formatter=self.formatter)
+                top = TopLogprobs(top_logprobs) if top_logprobs else None
                 c_ids, c_mask, c_lp = self._sample(
                     ids, mask, max_new_tokens=max_new_tokens, eos_id=stops,
                     pad_id=self.tokenizer.pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k,
-                    min_p=min_p, greedy=greedy, generator=generator)
+                    min_p=min_p, greedy=greedy, generator=generator, top_logprobs=top)
                 texts = self.tokenizer.batch_decode(
                     [row[m.bool()].tolist() for row, m in zip(c_ids.cpu(), c_mask.cpu())],
                     skip_special_tokens=True)
-                parts.append(RolloutBatch(ids, mask, c_ids, c_mask, c_lp, chunk, texts))
+                t_ids, t_lp = top.tensors() if top is not None else (None, None)
+                parts.append(RolloutBatch(ids, mask, c_ids, c_mask, c_lp, chunk, texts, t_ids, t_lp))
         finally:
             self.model.train(was_training)
         return concat_batches(parts, self.tokenizer.pad_token_id)
@@ -492,4 +544,16 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         torch.cat([right(p.completion_ids, T, pad_id) for p in parts]),
         torch.cat([right(p.completion_mask, T, 0) for p in parts]),
         torch.cat([right(p.behaviour_logp, T, 0.0) for p in parts]),
-        [e for p in parts for e in p.examples], [t for p in parts for t in p.texts])
+        [e for p in parts for e in p.examples], [t for p in parts for t in p.texts],
+        *_concat_top(parts, T))
+
+
+def _concat_top(parts: list[RolloutBatch], T: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The parts' recorded top-k, right-padded to `T` positions (None unless every part has them)."""
+    if any(p.top_ids is None for p in parts):
+        return None, None
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[1]))
+
+    return torch.cat([pad(p.top_ids) for p in parts]), torch.cat([pad(p.top_logp) for p in parts])

@@ -404,8 +404,11 @@ class VllmRollout(RolloutEngine):
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
-        del batch_size  # vLLM batches by itself (see the module docstring)
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                 top_logprobs: int = 0) -> RolloutBatch:
+        # vLLM batches by itself (see the module docstring); its top-k log-probs are not asked for (the dense
+        # objective scores its candidates with the trainer, in the trainer's numerics)
+        del batch_size, top_logprobs
         self.wake()
         if self._weights_stale:
             self.sync_weights(self.model)

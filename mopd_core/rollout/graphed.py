@@ -230,12 +230,12 @@ class StaticDecoder:
 def graphed_sample(decoder: StaticDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                    max_new_tokens: int, eos_id: int | Sequence[int], pad_id: int, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, greedy: bool = False,
-                   generator: torch.Generator | None = None):
+                   generator: torch.Generator | None = None, top_logprobs=None):
     """`rollout.sample` through a `StaticDecoder` (its batch and capacity must fit the prompts + budget)."""
     logits = decoder.prefill(prompt_ids, prompt_mask)
     return decode_loop(logits, decoder.step, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, greedy=greedy,
-                       generator=generator)
+                       generator=generator, top_logprobs=top_logprobs)
 
 
 class GraphedRollout(HFRollout):

@@ -320,8 +320,9 @@ class ServedRollout(RolloutEngine):
 
     def generate(self, examples: Sequence[Any], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0) -> RolloutBatch:
-        del batch_size  # the servers batch by themselves
+                 batch_size: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                 top_logprobs: int = 0) -> RolloutBatch:
+        del batch_size, top_logprobs  # the servers batch by themselves; top-k: as `VllmRollout`
         examples = list(examples)
         ids, mask = encode_prompts(self.tokenizer, examples, "cpu", self.max_prompt_tokens, formatter=self.formatter)
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]

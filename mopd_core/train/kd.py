@@ -111,15 +111,20 @@ def dense_candidates(model, batch: RolloutBatch, router, *, kind: str, k: int, t
     """Candidates of the dense top-K reverse KL and everybody's log-probs of them, before the update.
 
     `student`: one no-grad student pass gives its top-K and their log-probs (the old policy of every slot); the
-    teachers score those ids. `teacher`: the teachers' top-K, then a student pass over the slots. `union`: both
-    (two student passes). Returns `(routed, slot_ids, kd_valid, rl_slot, old_logp [B,T,S], teacher_logp [B,T,S])`.
+    teachers score those ids. When the sampler recorded the same top-K while it drew the batch
+    (`RolloutBatch.top_logprobs`, the same weights: the policy that sampled is the one being updated), that pass
+    is skipped — the one forward the dense objective added to the sampled-token one's step. `teacher`: the
+    teachers' top-K, then a student pass over the slots. `union`: both (two student passes).
+    Returns `(routed, slot_ids, kd_valid, rl_slot, old_logp [B,T,S], teacher_logp [B,T,S])`.
     """
     def student(**kw):
         with torch.no_grad(), amp():
             return score_completions(model, batch, temperature, impl=impl, micro_batch_size=micro_batch_size,
                                      packed=packed, **kw)
 
-    s = student(top_k=k) if kind in ("student", "union") else None
+    s = None
+    if kind in ("student", "union"):
+        s = (batch.top_logprobs(k) if kind == "student" else None) or student(top_k=k)
     routed = router.score(batch, top_k=k if kind in ("teacher", "union") else 0, visit=visit,
                           support_ids=None if s is None else s.topk_ids)
     parts_ids, parts_t = [], []

@@ -148,7 +148,8 @@ def build_roles(ctx: StageContext, trainer: PolicyTrainer | None) -> Roles:
         source = AsyncSource(ctx, pipeline, model)
     else:
         scorer = Scorer(ctx, model, objective, engine.stop_ids(), visit=phases.teacher)
-        source = InlineSource(Generator(ctx, engine, phases.rollout, weights=gate.mix), scorer)
+        source = InlineSource(Generator(ctx, engine, phases.rollout, weights=gate.mix,
+                                        top_logprobs=objective.sampler_top_k()), scorer)
     return Roles(model, updater, engine, sync, phases, objective, scorer, source, gate)
 
 

@@ -42,6 +42,11 @@ class RewardObjective:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx, self.cfg, self.names = ctx, ctx.cfg, ctx.names
 
+    def sampler_top_k(self) -> int:
+        """How many of the student's top log-probs per position the sampler should record while it draws the
+        step's samples (0: none). Only for samples drawn by the weights being updated (the inline source)."""
+        return 0
+
     def signal(self, model, batch, visit) -> dict[str, Any]:
         """What the teachers add to the step's `scored` (`routed`: their scores; None without teachers)."""
         return {"routed": None}
@@ -138,6 +143,10 @@ class PlannedKD(ScoredObjective):
         self.dense = ctx.cfg.kd_loss == "topk_rkl"
         self.conflict = ctx.recipe.teachers.conflict
         self.gaps = kd.restore_gaps(ctx.metrics_path, self.names) if ctx.cfg.gap_following else None
+
+    def sampler_top_k(self) -> int:
+        """The dense objective's student top-K, taken from the sampler (`kd.dense_candidates`)."""
+        return self.cfg.kd_top_k if self.dense and self.cfg.kd_candidates == "student" else 0
 
     def signal(self, model, batch, visit):
         if not self.dense:

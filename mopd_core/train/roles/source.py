@@ -37,8 +37,9 @@ class Generator:
     """The step's prompts and samples — all randomness from (seed, stage, step). `phase(step)`: the context the
     generation runs in (the phase scheduler's rollout phase, which hands the weights over first)."""
 
-    def __init__(self, ctx: StageContext, engine, phase=None, weights=None) -> None:
+    def __init__(self, ctx: StageContext, engine, phase=None, weights=None, top_logprobs: int = 0) -> None:
         self.ctx, self.engine = ctx, engine
+        self.top_logprobs = top_logprobs  # the objective's `sampler_top_k`: recorded while sampling
         self.phase = phase or (lambda step: contextlib.nullcontext())
         # the mix weights now: the recovery gate's (a stopped domain's weight is 0), else the stage's
         self.weights = weights or (lambda mix: mix)
@@ -53,7 +54,7 @@ class Generator:
         with self.phase(step), ctx.amp():  # behaviour log-probs in the compute dtype of the update
             batch = self.engine.generate(examples, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                          top_p=ro.top_p, top_k=ro.top_k, min_p=ro.min_p, generator=gen,
-                                         batch_size=ro.batch_size)
+                                         batch_size=ro.batch_size, top_logprobs=self.top_logprobs)
         return Produced(step, rng, batch, time.perf_counter() - t0, version=step,
                         times={"generate": [c0, ctx.clock.now()]})
 
