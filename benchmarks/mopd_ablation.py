@@ -13,7 +13,7 @@ the paper's table (cumulative where it writes "+"):
     k4_refresh     + reward refresh (on share + gap, K=4) + mopd.reward_refresh=true
     dense          naive with the dense top-K reverse KL  mopd.kd_loss=topk_rkl (vs `naive`: sampled)
 
-and beyond the paper's table (issue 26: a variant that recovers ≥ 90 % on every seed): K=4 with share alone,
+and beyond the paper's table (the goal: a variant that recovers ≥ 90 % on every seed): K=4 with share alone,
 the reward term on (w_rl=1, the seeds' RL + distillation objective), K=8, and the dense top-K objective under
 share + gap at K=4 — `k4_share_gap_dense_rl`, which recovered ≥ 90 % of the total on each of 5 seeds, is
 configs/tiny_imbalanced.yaml's own MOPD setting. Every variant states all six knobs (naive's values, then its
@@ -285,7 +285,7 @@ def _pm(x: dict, scale: float = 100.0, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(scale * x['mean'])} ± {fmt.format(scale * x['std'])}"
 
 
-SHORT_BAR, TOTAL_BAR = 0.85, 0.90  # issue 26: every seed recovers ≥ 90 % of the total, the short domain ≥ 85 %
+SHORT_BAR, TOTAL_BAR = 0.85, 0.90  # the bar: every seed recovers ≥ 90 % of the total, the short domain ≥ 85 %
 
 
 def _per_seed_recovery(result: dict, domains: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ template's end-of-turn token.
   exceed it by `log(mass kept)` ≥ 0. With `greedy` vLLM reports the untempered log-softmax.
   Who sees which: eval only samples; the policy loop (expert/MOPD) passes the engine's log-probs to the PPO ratio
   and the reverse-KL advantage as they are when sampling does not truncate, and otherwise replaces them with the
-  trainer's recomputed `completion_logprobs` (`train.loop.recompute_behaviour_logp`, as verl's `old_log_prob` and
+  trainer's recomputed `completion_logprobs` (`train.update.recompute_behaviour_logp`, as verl's `old_log_prob` and
   TRL's GRPO do), logging the difference as `rollout/trunc_logp_gap`.
 - **RNG**: `hf` draws every token from the one `generator` (so a sample depends on its batch neighbours);
   `vllm` draws one seed per request from `generator` (`SamplingParams(seed=…)`, in example order) and vLLM

@@ -1,7 +1,7 @@
-"""The policy loop's distillation objectives beyond the sampled-token advantage (docs/architecture.md, "MOPD
-objectives"): the candidates of the dense top-K reverse KL, the distillation advantage as a term the update can
-recompute against the current student (reward refresh), gap-following and teacher-conflict scales, and the
-teachers' hidden states of the full-vocabulary JSD. The math is `algorithms.objectives`; this is the plumbing.
+"""The policy loop's distillation objectives beyond the sampled-token advantage (docs/objectives.md): the
+candidates of the dense top-K reverse KL, the distillation advantage as a term the update can recompute against
+the current student (reward refresh), gap-following and teacher-conflict scales, and the teachers' hidden states
+of the full-vocabulary JSD. The math is `algorithms.objectives`; this is the plumbing.
 """
 
 from __future__ import annotations

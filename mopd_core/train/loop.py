@@ -106,8 +106,8 @@ def check_loop_config(stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeConf
 
 
 def check_objective(stage: str, m: PolicyLoopConfig, recipe: RecipeConfig) -> None:
-    """The distillation objective's combinations the loop cannot run (docs/architecture.md, "MOPD objectives"):
-    one line each, before any compute."""
+    """The distillation objective's combinations the loop cannot run (docs/objectives.md, "Combinations that are
+    refused"): one line each, before any compute."""
     sec, t, rt = _section(m), recipe.teachers, recipe.runtime
     new = m.kd_loss in ("topk_rkl", "full_jsd") or m.gap_following or m.reward_refresh or t.conflict != "none"
     if new and rt.strategy != "single":

@@ -7,7 +7,7 @@ update's advantage and loss terms (`advantage`). Chosen once per stage by `build
 - `JSDLoss`: the teachers' top-k for a generalized JSD term inside the update (`kd_loss: jsd`);
 - `FullJSDLoss`: the teachers' hidden states for the full-vocabulary JSD (`kd_loss: full_jsd`);
 - `PlannedKD`: the distillation advantage as a `kd.KDPlan` — dense top-K (`topk_rkl`), reward refresh,
-  gap-following and teacher-conflict handling (docs/architecture.md, "MOPD objectives").
+  gap-following and teacher-conflict handling (docs/objectives.md).
 """
 
 from __future__ import annotations
