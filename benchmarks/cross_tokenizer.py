@@ -9,7 +9,11 @@ two MOPD stages run on the same preset, seed and thread count:
   (`teachers.retokenized.RetokenizedCopy`: a BPE tokenizer trained here on code-domain text, each BPE token scored
   as the chain of the expert's character log-probs) — a genuinely different tokenization whose knowledge is the
   code expert's, not a separately trained different-tokenizer model. Its samples are re-tokenized by the bridge
-  and its log-probs mapped back by character offsets (`teachers/bridge.py`).
+  and its log-probs mapped back by character offsets (`teachers/bridge.py`);
+- `trained`: `teachers.cross_tokenizer=[code]`, the code teacher a SEPARATELY TRAINED MODEL OF ANOTHER TOKENIZER
+  FAMILY: a tiny Llama of the same shape with a BPE tokenizer (trained here on all domains' texts) and its own
+  initial weights, taken through the recipe's own SFT and code GRPO stages (`<output-dir>/seed<N>/bpe-family/`,
+  trained once per seed and reused). Its knowledge is its own, so the bar's code expert is this teacher.
 
 The bar per seed and variant is the tiny recipe's: student ≥ 90 % of each expert on that expert's domain (greedy
 held-out accuracy), student > SFT on every domain. Also written: an exactness check (on the code domain's
@@ -18,7 +22,7 @@ of student tokens whose boundaries align and their per-token difference), teache
 seconds and the load average (the machine is shared).
 
     .venv/bin/python benchmarks/cross_tokenizer.py --stages runs/bench/seed{seed}/tiny --seeds 0,1,2 \
-        [--repeats 0,1,2] [--variants same,cross] [--jobs 2] [--set k=v ...] [--output-dir runs/xtok] \
+        [--repeats 0,1,2] [--variants same,cross,trained] [--jobs 2] [--set k=v ...] [--output-dir runs/xtok] \
         [--what "one line: what was run"] [--collect]
 
 `--repeats`: MOPD repeats from the same trained stages of a seed (other sampling streams: the stage name seeds
@@ -53,6 +57,36 @@ def code_bpe(cfg, seed: int):
     dom = R.build_domains(cfg, ["code"])["code"]
     exs = dom.train_examples(4000, random.Random(f"{seed}/xtok-bpe"))
     return build_bpe_tokenizer([e.prompt + e.answer for e in exs], vocab_size=BPE_VOCAB)
+
+
+def other_family_expert(args, seed: int, out: Path) -> tuple[Path, dict]:
+    """The `trained` variant's code teacher: the recipe's SFT and code-expert stages from a base of another
+    tokenizer family (a BPE over all domains' texts, its own init seed), in `<out>/bpe-family/`. Reruns reuse the
+    finished stages (the stages' own fingerprints)."""
+    from mopd_core import recipe as R
+    from mopd_core.config import load_config
+    from mopd_core.models import build_bpe_tokenizer, build_tiny_model, load_tokenizer, save_pretrained
+
+    fam = load_config(args.config, [f"output_dir={out / 'bpe-family'}", *args.overrides, f"seed={seed}"])
+    t0 = time.perf_counter()
+    base = fam.run_dir() / "base"
+    if not (base / "config.json").exists():
+        # prompts and answers as separate texts: no merge learnt across the boundary, so a prompt tokenized
+        # alone is a prefix of prompt + answer (what a real family's pre-tokenizer ensures; trained on the joined
+        # strings, every math row would merge "=" with the answer and SFT would train on another context)
+        texts = [t for d in R.build_domains(fam).values()
+                 for e in d.train_examples(2000, random.Random(f"{seed}/xtok-family/{d.name}"))
+                 for t in (e.prompt, e.answer)]
+        bpe = build_bpe_tokenizer(texts, vocab_size=BPE_VOCAB)
+        # another init seed than the student's base: a model that shares nothing with the student but the data
+        save_pretrained(build_tiny_model(fam.model.tiny, len(bpe), bpe.pad_token_id, bpe.eos_token_id,
+                                         seed=10_000 + seed), bpe, base)
+    sft = R.sft_stage(fam, base, progress=False)
+    expert = R.expert_stage(fam, "code", sft.model_dir, progress=False)
+    info = {"sft": {k: v["greedy"] for k, v in sft.eval.items()},
+            "expert": {k: v["greedy"] for k, v in expert.eval.items()},
+            "vocab": len(load_tokenizer(expert.model_dir)), "train_s": round(time.perf_counter() - t0, 1)}
+    return expert.model_dir, info
 
 
 def exactness(cfg, expert, copy) -> dict:
@@ -109,17 +143,20 @@ def run_one(args) -> int:
     from mopd_core.teachers.retokenized import RetokenizedCopy
 
     seed, variant, rep = args.worker, args.variant, args.rep
-    cross = variant == "cross"
+    cross, trained = variant == "cross", variant == "trained"
     out = Path(args.output_dir) / f"seed{seed}"
-    # both variants on the one objective a cross-tokenizer teacher allows (what the committed results ran)
+    # every variant on the one objective a cross-tokenizer teacher allows (what the committed results ran)
     cfg = load_config(args.config, [f"output_dir={out}", "mopd.kd_loss=sampled_rkl", *args.overrides,
-                                    f"seed={seed}", *(["teachers.cross_tokenizer=[code]"] if cross else [])])
+                                    f"seed={seed}",
+                                    *(["teachers.cross_tokenizer=[code]"] if cross or trained else [])])
     R.setup_runtime(cfg)
     stages = Path(args.stages.format(seed=seed))
     sft = stages / "sft" / "final"
     experts = {d: stages / f"expert-{d}" / "final" for d in cfg.domain_names()}
     load0 = os.getloadavg()[0]
-    scorers, exact = None, None
+    scorers, exact, family = None, None, None
+    if trained:
+        experts["code"], family = other_family_expert(args, seed, out)
     if cross:
         bpe = code_bpe(cfg, seed)
         dinfo = devlib.resolve(cfg.runtime.device)
@@ -132,7 +169,8 @@ def run_one(args) -> int:
     t0 = time.perf_counter()
     # a repeat r > 0: the same stage under another name, so only its sampling streams differ (a stage's randomness
     # derives from (seed, stage name, step)); the eval set and the trained stages stay those of `seed`
-    name = ("student-xtok" if cross else "student") + (f"-rep{rep}" if rep else "")
+    name = {"cross": "student-xtok", "trained": "student-xtok-trained"}.get(variant, "student") \
+        + (f"-rep{rep}" if rep else "")
     res = R.mopd_stage(cfg, sft, experts, progress=False, stage_name=name, scorers=scorers)
     wall = time.perf_counter() - t0
     info = json.loads((res.stage_dir / "stage.json").read_text())
@@ -140,7 +178,9 @@ def run_one(args) -> int:
     result = {
         "seed": seed, "repeat": rep, "variant": variant, "student": {k: v["greedy"] for k, v in res.eval.items()},
         "sft": _stage_eval(stages / "sft"),
-        "experts": {d: _stage_eval(stages / f"expert-{d}")[d] for d in experts},
+        "experts": {d: (family["expert"][d] if family and d == "code" else _stage_eval(stages / f"expert-{d}")[d])
+                    for d in experts},
+        "other_family": family,
         "mopd_seconds": round(wall, 1), "steps": steps,
         "teacher_s_per_step": {n: round(s["seconds"] / max(1, steps), 4)
                                for n, s in (info.get("teacher_stats") or {}).items()},
@@ -179,7 +219,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
          + " | student/expert | bar | MOPD s | code teacher s/step |",
          "|" + "---|" * (3 * len(doms) + 7)]
     for r in rows:
-        ratio = " / ".join(f"{r['bar']['domains'][d]['ratio'] * 100:.0f}%" for d in doms)
+        ratio = " / ".join("–" if r['bar']['domains'][d]['ratio'] is None else
+                           f"{r['bar']['domains'][d]['ratio'] * 100:.0f}%" for d in doms)
         L.append(f"| {r['seed']} | {r.get('repeat', 0)} | {r['variant']} | "
                  + " | ".join(f"{r['sft'][d] * 100:.1f}" for d in doms) + " | "
                  + " | ".join(f"{r['experts'][d] * 100:.1f}" for d in doms) + " | "
@@ -194,6 +235,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cells.append(f"{d} {m:.1f} ± {s:.1f}")
         L += ["", f"- `{v}` student, mean ± std over {len(sel)} run(s): " + ", ".join(cells)
               + f"; passes: {sum(r['bar']['pass'] for r in sel)}/{len(sel)}"]
+    fams = [r for r in rows if r.get("other_family")]
+    if fams:
+        L += ["", "## The other-family code teacher (`trained`)", "",
+              "A tiny Llama of the student's shape with its own BPE tokenizer and init, through the recipe's SFT and "
+              "code GRPO stages; greedy held-out accuracy (%) of its stages.", "",
+              "| seed | BPE vocab | its SFT " + " / ".join(doms) + " | its code expert " + " / ".join(doms)
+              + " | its training s |", "|---|---:|---|---|---:|"]
+        for r in fams:
+            f = r["other_family"]
+            L.append(f"| {r['seed']} | {f['vocab']} | " + " / ".join(f"{f['sft'][d] * 100:.1f}" for d in doms)
+                     + " | " + " / ".join(f"{f['expert'][d] * 100:.1f}" for d in doms) + f" | {f['train_s']:.0f} |")
     ex = [r["exactness"] for r in rows if r.get("exactness")]
     if ex:
         e = ex[0]
@@ -214,7 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--stages", required=False, help="trained stages of a seed, `{seed}` substituted")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--variants", default="same,cross")
+    ap.add_argument("--variants", default="same,cross", help="any of same, cross (the code expert re-tokenized), "
+                    "trained (a code expert of another tokenizer family, trained here)")
     ap.add_argument("--repeats", default="0", help="MOPD repeats per seed from the same trained stages (0 = the "
                     "stage as the recipe names it; r > 0: other sampling streams)")
     ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
