@@ -404,18 +404,18 @@ def decode_loop(logits: torch.Tensor, step, *, max_new_tokens: int, eos_id: int 
     for i in range(max_new_tokens):
         lg = logits.float() / temperature
         live = ~finished
-        if top_logprobs is not None and truncates:  # the candidates come from the untruncated distribution
-            top_logprobs.record(torch.log_softmax(lg, dim=-1), live)
+        # the untruncated distribution: what greedy and untruncated sampling draw from, and where a recorded
+        # top-k comes from (not computed when only the truncated one is needed)
+        logp = torch.log_softmax(lg, dim=-1) if greedy or not truncates or top_logprobs is not None else None
+        if top_logprobs is not None:
+            top_logprobs.record(logp, live)
         if greedy:
-            logp = torch.log_softmax(lg, dim=-1)
             tok = lg.argmax(-1)
         else:  # the distribution sampled from: truncated and renormalised when top_p / top_k / min_p are on
             if truncates:
                 lg = lg.masked_fill(~sampling_mask(lg, top_p=top_p, top_k=top_k, min_p=min_p), float("-inf"))
-            logp = torch.log_softmax(lg, dim=-1)
+                logp = torch.log_softmax(lg, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        if top_logprobs is not None and not truncates:
-            top_logprobs.record(logp, live)
         lp = logp.gather(-1, tok[:, None]).squeeze(-1)
         toks.append(torch.where(live, tok, torch.full_like(tok, pad_id)))
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
