@@ -14,6 +14,7 @@ import torch
 from mopd_core.config import TinyModelConfig
 from mopd_core.models import build_tiny_model, build_tiny_tokenizer
 from mopd_core.rollout import HFRollout, score_completions
+from mopd_core.rollout.graphed import GraphedRollout
 from mopd_core.train import kd
 
 K = 4
@@ -28,19 +29,22 @@ def model_tok():
     return m.double().eval(), tok
 
 
-def _generate(model, tok, **kw):
-    eng = HFRollout(model, tok, "cpu")
+def _generate(model, tok, engine=HFRollout, **kw):
+    eng = engine(model, tok, "cpu")
     # stop on a few digits too, so rows end at different steps and the chunks have different widths
     eng.stop_ids = lambda: [tok.eos_token_id] + tok.convert_tokens_to_ids(list("0123456789abcdefgh"))
     return eng.generate(PROMPTS, max_new_tokens=8, generator=torch.Generator().manual_seed(3), batch_size=3,
                         top_logprobs=K, **kw)
 
 
+@pytest.mark.parametrize("engine", [HFRollout, GraphedRollout], ids=["hf", "hf_graphed"])
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.6, top_k=5)],
                          ids=["tempered", "truncated"])
-def test_recorded_top_k_is_the_scoring_pass_top_k(model_tok, kw):
+def test_recorded_top_k_is_the_scoring_pass_top_k(model_tok, kw, engine):
+    """`hf_graphed` is the CUDA-graph sampler's engine run eagerly on CPU: the record passes through its own
+    `graphed_sample` path."""
     model, tok = model_tok
-    batch = _generate(model, tok, **kw)
+    batch = _generate(model, tok, engine, **kw)
     cm = batch.completion_mask.bool()
     assert batch.top_ids.shape == batch.top_logp.shape == (*batch.completion_ids.shape, K)
     assert not cm.all(), "rows should stop at different steps (chunk padding is part of what is tested)"
