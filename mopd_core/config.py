@@ -797,6 +797,10 @@ class RecipeConfig(_Model):
             raise ValueError(f"teacher '{self.teachers.cross_tokenizer[0]}' is in teachers.cross_tokenizer (its own "
                              f"tokenizer) but mopd.kd_loss={self.mopd.kd_loss} compares distributions over one shared "
                              "vocabulary — use mopd.kd_loss=sampled_rkl, or a teacher with the student's tokenizer")
+        if self.teachers.cross_tokenizer and self.teachers.conflict != "none":
+            raise ValueError(f"teachers.conflict={self.teachers.conflict} compares the teachers' log-probs token by "
+                             f"token, but teacher '{self.teachers.cross_tokenizer[0]}' (teachers.cross_tokenizer) "
+                             "has exact log-probs only over spans of tokens — set teachers.conflict=none")
         unread = unread_settings(self)
         if unread:
             raise ValueError(unread[0])

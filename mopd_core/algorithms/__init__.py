@@ -8,6 +8,8 @@ Advantages (stop-gradient; :mod:`.advantages`):
       ``(r − mean_g r) / (std_g r + eps)``, unbiased std; constant groups give exactly 0.
     - ``reverse_kl_advantages(teacher_logp, behaviour_logp, mask, clip=None) -> [B, T]`` —
       ``clip(ℓᵀ − ℓ^old, −c, c)``, exactly 0 at masked positions.
+    - ``spread_span_gaps(teacher_logp, behaviour_logp, span_end, mask) -> [B, T]`` — ℓᵀ re-split so each token of
+      a span (exact only as a sum: a teacher with another tokenizer) gets the span's mean gap.
     - ``combine_advantages(rl_advantages, kd_advantages, mask, w_rl=1, w_kd=1) -> [B, T]`` —
       ``w_rl · A^R + w_kd · A^D``.
 
@@ -47,7 +49,8 @@ Balancing (:mod:`.balance`):
     - ``balance_weights(kind, group_ids, mask, prompt_share=None)`` — ``"none"`` → ``None``, ``"tokens"``.
 """
 
-from mopd_core.algorithms.advantages import combine_advantages, grpo_advantages, reverse_kl_advantages
+from mopd_core.algorithms.advantages import (combine_advantages, grpo_advantages, reverse_kl_advantages,
+                                            spread_span_gaps)
 from mopd_core.algorithms.balance import BALANCE_KINDS, balance_weights, token_share_weights
 from mopd_core.algorithms.distill import (MIX_KINDS, generalized_jsd, mix_teacher_logprobs, support_from_gathered,
                                          topk_support)
@@ -76,6 +79,7 @@ __all__ = [
     "mix_teacher_logprobs",
     "policy_loss",
     "reverse_kl_advantages",
+    "spread_span_gaps",
     "support_from_gathered",
     "token_share_weights",
     "topk_support",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grpo_advantages", "reverse_kl_advantages", "combine_advantages"]
+__all__ = ["grpo_advantages", "reverse_kl_advantages", "spread_span_gaps", "combine_advantages"]
 
 
 def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -89,6 +89,41 @@ def reverse_kl_advantages(
     if clip is not None:
         diff = diff.clamp(min=-clip, max=clip)
     return torch.where(_as_bool_mask(mask), diff, torch.zeros_like(diff))
+
+
+@torch.no_grad()
+def spread_span_gaps(
+    teacher_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    span_end: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """ℓᵀ re-split inside spans whose teacher log-prob is exact only as a sum (a teacher with another tokenizer):
+    each of a span's ``n`` tokens gets ``ℓ^old_t + (Σ_span ℓᵀ − Σ_span ℓ^old) / n``, so its sampled-token
+    advantage ``ℓᵀ − ℓ^old`` is the span's mean gap. Without it a token whose teacher log-prob was charged to a
+    later token (``ℓᵀ = 0``) gets ``−ℓ^old > 0``: whatever was sampled inside the span is reinforced and the span's
+    last token carries the whole gap.
+
+    Args:
+        teacher_logp, behaviour_logp: ``[B, T]``.
+        span_end: ``[B, T]`` bool, True at each span's last token (a one-token span: True there; the row's last
+            scored token must be one).
+        mask: ``[B, T]``; masked positions are in no span and come out ``0``.
+
+    Returns:
+        ``[B, T]`` detached, in ``teacher_logp``'s dtype; every span's sum equals ``Σ_span ℓᵀ`` (up to rounding) and
+        one-token spans are returned unchanged.
+    """
+    m = _as_bool_mask(mask)
+    zero = torch.zeros_like(teacher_logp)
+    t = torch.where(m, teacher_logp.detach(), zero)
+    s = torch.where(m, behaviour_logp.detach().to(t.dtype), zero)
+    ends = (span_end.bool() & m).long()
+    span = ends.cumsum(-1) - ends  # a position's span: the number of span ends before it (≤ its index)
+    gap = zero.scatter_add(1, span, t - s)
+    n = zero.scatter_add(1, span, m.to(t.dtype))
+    spread = s + (gap / n.clamp(min=1)).gather(1, span)
+    return torch.where(m & (n.gather(1, span) > 1), spread, t)  # a one-token span: ℓᵀ itself, bit for bit
 
 
 @torch.no_grad()

@@ -99,6 +99,11 @@ class Teacher:
         compatibility pre-flight must ask the model twice, not the cache)."""
         return self
 
+    def span_cuts(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """`[B,T]` bool where a span of student tokens whose log-probs are exact only as a sum ends (a teacher with
+        its own tokenizer: `bridge.TokenBridge.cuts`); None: every token's log-prob is exact on its own."""
+        return None
+
     def token_mapping(self) -> str | None:
         """How its log-probs reach the student's tokens when it has a tokenizer of its own (a cross-tokenizer
         bridge: `bridge.CrossTokenizerTeacher`), for the compatibility pre-flight; None: it scores the student's
@@ -157,6 +162,9 @@ class WrappingTeacher(Teacher):
 
     def placement(self) -> dict | None:
         return self.inner.placement()
+
+    def span_cuts(self, batch: RolloutBatch) -> torch.Tensor | None:
+        return self.inner.span_cuts(batch)
 
     def close(self) -> None:
         self.inner.close()
@@ -295,6 +303,9 @@ class RoutedScore:
     support_logp: torch.Tensor | None = None  # [B,T,S] ℓᵀ of `support_ids` after routing / mixing
     # mixture with support_ids: teacher → its own [B,T,S] (teachers.conflict=consensus picks among them)
     per_teacher_support: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [B,T] bool: where a span whose ℓᵀ is exact only as a sum ends (teachers with their own tokenizer; None: none
+    # routed here) — the objective spreads a span's gap over its tokens (`algorithms.spread_span_gaps`)
+    span_cut: torch.Tensor | None = None
 
 
 class TeacherRouter:
@@ -393,7 +404,9 @@ class TeacherRouter:
                     tk_ids[rows], tk_lp[rows] = s.topk_ids.to(dev), s.topk_logp.to(dev)
                 if sup is not None:
                     sup[rows] = s.support_logp.to(dev)
-            return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per, support_logp=sup)
+            cut = self._span_cuts(batch, [(name, rows, b) for (name, b), rows in zip(jobs, job_rows)])
+            return RoutedScore(logp, index, tk_ids, tk_lp, time.perf_counter() - t0, per, support_logp=sup,
+                               span_cut=cut)
         if top_k:
             raise TeacherError("top-k scores (mopd.kd_loss=jsd, or topk_rkl with teacher candidates) need "
                                "teachers.routing=domain")
@@ -412,7 +425,23 @@ class TeacherRouter:
             sup = torch.where(cm.unsqueeze(-1), sup, torch.zeros_like(sup))
             per_sup = {n: st[k] for k, n in enumerate(self.names)}
         return RoutedScore(mixed, w.argmax(-1), None, None, time.perf_counter() - t0,
-                           {n: (all_rows, scores[k]) for k, n in enumerate(self.names)}, sup, per_sup)
+                           {n: (all_rows, scores[k]) for k, n in enumerate(self.names)}, sup, per_sup,
+                           self._span_cuts(batch, [(n, all_rows, batch) for n in self.names]))
+
+    def _span_cuts(self, batch: RolloutBatch, jobs: list[tuple[str, torch.Tensor, RolloutBatch]]
+                   ) -> torch.Tensor | None:
+        """The span ends of the teachers that scored `jobs` ((teacher, its rows, those rows)); a row several
+        teachers scored (mixture) cuts only where all of them do: the coarsest spans over which every mixed ℓᵀ sums
+        exactly. None when every teacher's log-probs are exact per token."""
+        out = None
+        for name, rows, sub in jobs:
+            c = self.teachers[name].span_cuts(sub)
+            if c is None:
+                continue
+            if out is None:
+                out = torch.ones(batch.completion_ids.shape, dtype=torch.bool, device=batch.completion_ids.device)
+            out[rows] &= c.to(out.device)
+        return None if out is None else out & batch.completion_mask.bool()
 
     def hidden(self, batch: RolloutBatch, visit=None
                ) -> tuple[RoutedScore, dict[str, tuple[torch.Tensor, torch.Tensor, TeacherHead]]]:

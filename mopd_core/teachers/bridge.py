@@ -72,6 +72,15 @@ def owners(student_ends: list[int], teacher_ends: list[int]) -> list[int]:
     return [min(bisect.bisect_left(student_ends, e), last) for e in teacher_ends]
 
 
+def span_cuts(student_ends: list[int], teacher_ends: list[int]) -> list[bool]:
+    """Per student token: whether a span of student tokens whose teacher log-prob is exact only as a sum ends there.
+    Spans end where both tokenizations cut the text (a student end that is also a teacher end, the last student
+    token of equal ends: `owners` charges to the first) and at the last token (a teacher token past the text end
+    goes there). Every teacher token is charged inside the span that holds its end, so each span's sum is exact."""
+    t_set, n = set(teacher_ends), len(student_ends)
+    return [k == n - 1 or (student_ends[k] in t_set and student_ends[k + 1] > student_ends[k]) for k in range(n)]
+
+
 @dataclass
 class Alignment:
     """Where each teacher completion token's log-prob goes: `owner [B,Tt]` the student completion position
@@ -94,19 +103,32 @@ class TokenBridge:
         self.pad_id = int(teacher_tokenizer.pad_token_id if teacher_tokenizer.pad_token_id is not None
                           else teacher_tokenizer.eos_token_id)
 
-    def row(self, ids: list[int]) -> tuple[list[int], list[int]]:
-        """One completion (its real tokens, the stop token included): the teacher's completion ids and, per
-        teacher id, the student position it is charged to."""
+    def row(self, ids: list[int]) -> tuple[list[int], list[int], list[bool]]:
+        """One completion (its real tokens, the stop token included): the teacher's completion ids, per teacher id
+        the student position it is charged to, and per student token whether a span ends there (`span_cuts`)."""
         stopped = bool(ids) and ids[-1] in self.stop_ids
         content = ids[:-1] if stopped else ids
         text, s_ends = completion_ends(self.student, content)
         enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
         t_ids = [int(t) for t in enc["input_ids"]]
-        own = owners(s_ends, [int(e) for _, e in enc["offset_mapping"]]) if content else [0] * len(t_ids)
-        if stopped:  # the teacher's end of turn stands for the student's stop token
+        t_ends = [int(e) for _, e in enc["offset_mapping"]]
+        own = owners(s_ends, t_ends) if content else [0] * len(t_ids)
+        cuts = span_cuts(s_ends, t_ends)
+        if stopped:  # the teacher's end of turn stands for the student's stop token: a span of its own
             t_ids += self.end_ids
             own += [len(ids) - 1] * len(self.end_ids)
-        return t_ids, own
+            cuts.append(True)
+        return t_ids, own, cuts
+
+    def cuts(self, batch: RolloutBatch) -> torch.Tensor:
+        """`[B,T]` bool: the span ends of every row (`span_cuts`; False on padding). They depend on the ids only,
+        so a cached score and a fresh one share them."""
+        c_ids, c_len = batch.completion_ids.cpu(), batch.completion_mask.cpu().long().sum(-1)
+        out = torch.zeros(batch.completion_ids.shape, dtype=torch.bool)
+        for i in range(batch.size):
+            row = self.row(c_ids[i, :int(c_len[i])].tolist())[2]
+            out[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
+        return out.to(batch.completion_ids.device)
 
     def to_teacher(self, batch: RolloutBatch) -> tuple[RolloutBatch, Alignment]:
         """The batch in the teacher's tokens (left-padded prompts, right-padded completions, mask = the real
@@ -117,7 +139,7 @@ class TokenBridge:
         dev = batch.completion_ids.device
         prompts = self.fmt.batch_ids(batch.examples)
         c_ids, c_len = batch.completion_ids.cpu(), batch.completion_mask.cpu().long().sum(-1)
-        rows = [self.row(c_ids[i, :int(c_len[i])].tolist()) for i in range(batch.size)]
+        rows = [self.row(c_ids[i, :int(c_len[i])].tolist())[:2] for i in range(batch.size)]
         B, P = batch.size, max([len(p) for p in prompts] + [1])
         T = max([len(t) for t, _ in rows] + [1])
         p_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
@@ -166,6 +188,9 @@ class CrossTokenizerTeacher(WrappingTeacher):
     @property
     def path(self) -> str:
         return f"{self.inner.path} (own tokenizer, bridged)"
+
+    def span_cuts(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.bridge.cuts(batch)
 
     def score(self, batch: RolloutBatch, top_k: int = 0) -> TeacherScore:
         if top_k:

@@ -146,6 +146,15 @@ def dense_candidates(model, batch: RolloutBatch, router, *, kind: str, k: int, t
     return routed, slot_ids, kd_valid, rl_slot, old, teacher
 
 
+def sampled_teacher_logp(routed, batch: RolloutBatch, mask) -> torch.Tensor:
+    """ℓᵀ of the sampled tokens as the sampled-token advantage uses it: the routed scores, with the spans of a
+    teacher of another tokenizer (exact only as sums) re-split so each of their tokens gets the span's mean gap
+    (`alg.spread_span_gaps`). Done here, after the score cache: the split depends on this step's ℓ^old."""
+    if routed.span_cut is None:
+        return routed.logp
+    return alg.spread_span_gaps(routed.logp, batch.behaviour_logp, routed.span_cut, mask)
+
+
 def kd_plan(cfg: PolicyLoopConfig, conflict: str, nats: float, routed, dense, batch: RolloutBatch, mask, adv,
              group_ids, names: list[str], gaps):
     """The step's advantage with the distillation term as a `KDPlan` (dense top-K, reward refresh,
@@ -157,7 +166,7 @@ def kd_plan(cfg: PolicyLoopConfig, conflict: str, nats: float, routed, dense, ba
         slot_ids, kd_valid, rl_slot, old, teacher = dense
         anchor = old[..., -1]  # the student's log-prob of the sampled token before the update
     else:
-        teacher, anchor = routed.logp, batch.behaviour_logp
+        teacher, anchor = sampled_teacher_logp(routed, batch, mask), batch.behaviour_logp
     keep = torch.ones_like(mask)
     if conflict != "none":
         tnames = list(routed.per_teacher)

@@ -6,6 +6,8 @@
 - the mapping on hand-made offsets: a teacher token straddling two student tokens, spans in both directions,
   a teacher chat template with other role markers and end-of-turn token, unicode with a byte-level tokenizer
   (tokens inside one character), a sampled non-canonical tokenization;
+- the sampled-token advantage: a span whose ℓᵀ is exact only as a sum gives each of its tokens the span's mean
+  gap (`spread_span_gaps`), so the student's own model behind another tokenizer gives 0 advantage everywhere;
 - the dense objectives' refusal (one line naming the teacher and the fix, at config load);
 - the same-tokenizer path is the very same teacher object (numbers untouched);
 - the http path: a vLLM-shaped server (`/v1/models`, `/tokenize`, `/v1/completions` with `prompt_logprobs`,
@@ -30,7 +32,7 @@ from mopd_core.models.chat import formatter_for
 from mopd_core.rollout import RolloutBatch, score_completions
 from mopd_core.teachers import LocalTeacher
 from mopd_core.teachers.bridge import (Alignment, CrossTokenizerTeacher, TokenBridge, bridge_teachers,
-                                       completion_ends, owners)
+                                       completion_ends, owners, span_cuts)
 from mopd_core.teachers.http import build_http_router
 from mopd_core.teachers.retokenized import RetokenizedCopy
 
@@ -127,6 +129,72 @@ def test_a_bpe_copy_of_the_student_gives_the_students_log_probs(student, bpe):
         assert (got[row, k] == 0) == (k + 1 not in ends)
 
 
+def test_the_student_itself_behind_another_tokenizer_gives_zero_advantage(student, bpe):
+    """The bug it catches: ℓᵀ = 0 on a token whose teacher token ends later gives it the advantage −ℓ^old > 0 (and
+    the span's last token the whole gap), so a teacher that agrees with the student everywhere still pushes it."""
+    from mopd_core.algorithms import reverse_kl_advantages
+    from mopd_core.teachers import TeacherRouter
+    from mopd_core.train.kd import sampled_teacher_logp
+
+    char = load_tokenizer(student)
+    base = _F64Teacher("code", student, "cpu", dtype="float64")
+    bridged = bridge_teachers({"code": RetokenizedCopy(base, bpe)}, char, None, ["code"],
+                              formatter_for(char).stop_ids())
+    prompts, comps, stop = _rows()
+    batch = _batch(char, prompts, comps, stop)
+    batch.behaviour_logp = base.score(batch).logp  # the student's own log-probs: the teacher agrees everywhere
+    mask = batch.completion_mask.bool()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the router's output tensors: float64 like the reference teacher
+    try:
+        routed = TeacherRouter(bridged).score(batch)
+        same = TeacherRouter({"code": base}).score(batch)
+    finally:
+        torch.set_default_dtype(prev)
+    cut = routed.span_cut
+    assert cut is not None and not cut[~mask].any()
+    last = mask.sum(-1) - 1
+    assert cut[torch.arange(len(comps))[last >= 0], last[last >= 0]].all()  # every row's last token ends a span
+    assert (mask & ~cut).sum() >= 5  # multi-token spans were exercised
+    raw = reverse_kl_advantages(routed.logp, batch.behaviour_logp, mask)
+    assert raw[mask & ~cut].min() > 0.1  # without the spread: the push this test exists for
+    a = reverse_kl_advantages(sampled_teacher_logp(routed, batch, mask), batch.behaviour_logp, mask)
+    assert a.abs().max() < 1e-10
+    # a same-tokenizer teacher has no spans: its ℓᵀ goes to the advantage untouched
+    assert same.span_cut is None and sampled_teacher_logp(same, batch, mask) is same.logp
+
+
+def test_spread_span_gaps_in_float64():
+    from mopd_core.algorithms import spread_span_gaps
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 9
+    t = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    s = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 6:], mask[2, 1:], mask[3, :] = False, False, False
+    cut = torch.rand(B, T, generator=g) < 0.4
+    for i in range(B):  # the last real token always ends a span
+        n = int(mask[i].sum())
+        if n:
+            cut[i, n - 1] = True
+    out = spread_span_gaps(t, s, cut, mask)
+    for i in range(B):  # the float64 loop reference
+        start = 0
+        for j in range(int(mask[i].sum())):
+            if cut[i, j]:
+                span = slice(start, j + 1)
+                n = j + 1 - start
+                gap = float((t[i, span] - s[i, span]).sum()) / n
+                want = t[i, span] if n == 1 else s[i, span] + gap
+                torch.testing.assert_close(out[i, span], want, rtol=0, atol=1e-12)
+                torch.testing.assert_close(out[i, span].sum(), t[i, span].sum(), rtol=0, atol=1e-12)
+                start = j + 1
+    assert not out[~mask].any()
+    one = cut & mask & torch.cat([torch.ones(B, 1, dtype=torch.bool), cut[:, :-1]], 1)  # one-token spans
+    assert torch.equal(out[one], t[one])  # bit for bit
+
+
 def test_the_same_tokenizer_is_the_fast_path(student):
     char = load_tokenizer(student)
     t = LocalTeacher("math", student, "cpu")
@@ -140,6 +208,12 @@ def test_owners_on_hand_made_offsets():
     assert owners([1, 3, 6], [2, 3, 5, 6]) == [1, 1, 2, 2]
     # a teacher token spanning all student tokens goes to the last; an empty leading span to the first
     assert owners([1, 3, 6], [0, 6]) == [0, 2]
+    # spans end where both cut the text (1 and 2 here), the last token always; equal student ends (a token inside
+    # one character) end their span at the last of them, as `owners` charges the first
+    assert span_cuts([1, 3, 6], [2, 3, 5, 6]) == [False, True, True]
+    assert span_cuts([1, 3, 6], [0, 6]) == [False, False, True]
+    assert span_cuts([3, 3, 5], [3, 5]) == [False, True, True] and owners([3, 3, 5], [3, 5]) == [0, 2]
+    assert span_cuts([2, 4], [1, 3]) == [False, True]
     al = Alignment(torch.tensor([[1, 1, 2, 2, -1]]))
     t_lp = torch.tensor([[-1.0, -2.0, -3.0, -4.0, -99.0]], dtype=torch.float64)
     out = TokenBridge.to_student(t_lp, al, (1, 4))
@@ -208,6 +282,8 @@ def test_dense_objectives_are_refused_before_compute():
             load_config("tiny", ["teachers.cross_tokenizer=[code]", f"mopd.kd_loss={kd}"])
         msg = str(e.value)
         assert "\n" not in msg and "teacher 'code'" in msg and "mopd.kd_loss=sampled_rkl" in msg, msg
+    with pytest.raises(ConfigError, match="teachers.conflict=mask compares .* teacher 'code' .*teachers.conflict=none"):
+        load_config("tiny", ["teachers.cross_tokenizer=[code]", "mopd.kd_loss=sampled_rkl", "teachers.conflict=mask"])
     with pytest.raises(ConfigError, match="teachers.cross_tokenizer names unknown teacher 'poetry'"):
         load_config("tiny", ["teachers.cross_tokenizer=[poetry]"])
 
@@ -239,6 +315,10 @@ def test_open_teachers_bridges_only_the_listed_teacher(student, bpe, tmp_path):
         s = r.score(batch)
         assert s.logp.shape == batch.completion_ids.shape and torch.isfinite(s.logp).all()
         assert (s.logp[batch.completion_mask.bool()] < 0).any()
+        # the spans come from the ids, past the score cache: a replayed (cached) step gets the same ones
+        again = r.score(batch)
+        assert s.span_cut is not None and torch.equal(again.span_cut, s.span_cut)
+        torch.testing.assert_close(again.logp, s.logp, rtol=0, atol=0)
 
 
 class _FakeVllm(BaseHTTPRequestHandler):

@@ -101,7 +101,8 @@ class SampledKD(ScoredObjective):
     name = "sampled_rkl"
 
     def kd_term(self, scored, batch, mask, adv, group_ids, m):
-        a_kd = alg.reverse_kl_advantages(scored["routed"].logp, batch.behaviour_logp, mask, clip=self.cfg.kd_clip)
+        teacher = kd.sampled_teacher_logp(scored["routed"], batch, mask)
+        a_kd = alg.reverse_kl_advantages(teacher, batch.behaviour_logp, mask, clip=self.cfg.kd_clip)
         m["adv/kd_mean"] = float((a_kd * mask).sum() / mask.sum().clamp(min=1))
         return adv + self.cfg.w_kd * a_kd, None
 
