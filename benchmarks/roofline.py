@@ -107,7 +107,7 @@ class Bench:
         self.engine = HFRollout(self.student, self.tok, "cpu", rec.data.max_prompt_tokens)
         self.opt = torch.optim.AdamW(self.student.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
                                      weight_decay=self.cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.cfg.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.cfg))
         c = self.student.config
         self.layers, self.hidden = c.num_hidden_layers, c.hidden_size
         n_all = sum(p.numel() for p in self.student.parameters())

@@ -559,8 +559,15 @@ class PolicyLoopConfig(_Model):
     steps: int = Field(200, ge=0, description="Policy updates (one rollout batch each).")
     prompts_per_step: int = Field(32, ge=1, description="Distinct prompts per step.")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
-    lr: float = Field(2e-4, gt=0, description="AdamW learning rate (constant after warm-up).")
+    lr: float = Field(2e-4, gt=0, description="AdamW peak learning rate (after warm-up; lr_schedule from there).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    # left out of the dump at their defaults, so configs that do not set them keep their stage fingerprints
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", exclude_if=lambda v: v == "constant", description="The learning rate after warm-up: constant, "
+        "or decayed (linear, cosine) to min_lr_ratio · lr at the stage's last optimizer step (steps × minibatches). "
+        "A constant rate leaves the final weights wherever the noisy plateau happens to be at the last step.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, exclude_if=lambda v: v == 0.0,
+                                description="lr_schedule linear/cosine: the final learning rate as a share of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
@@ -626,6 +633,9 @@ class PolicyLoopConfig(_Model):
         if self.steps and self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} > steps={self.steps}: the learning rate would never "
                              "reach lr; lower warmup_steps")
+        if self.lr_schedule == "constant" and self.min_lr_ratio:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} has no effect with lr_schedule=constant; set "
+                             "lr_schedule=cosine (or linear), or remove min_lr_ratio")
         for name, table in (("mix", self.mix),):
             _check_weights(name, table)
         return self

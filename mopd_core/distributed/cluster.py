@@ -426,7 +426,7 @@ class TrainWorker(_Worker):
         c = self.cfg
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=c.lr, betas=tuple(c.betas),
                                      weight_decay=c.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(c.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(c))
         if resume is not None:
             self._load_optimizer(resume)
         if scheduler_state:

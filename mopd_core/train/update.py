@@ -223,8 +223,21 @@ def recompute_behaviour_logp(model, batch: RolloutBatch, temperature: float, imp
     return dataclasses.replace(batch, behaviour_logp=logp), {"rollout/trunc_logp_gap": gap}
 
 
-def lr_lambda(warmup: int):
-    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+def lr_lambda(cfg: PolicyLoopConfig):
+    """The learning-rate factor of optimizer step `s` (0-based; `LambdaLR`): a linear warm-up over
+    `warmup_steps`, then `lr_schedule` — 1, or a linear / cosine decay that reaches `min_lr_ratio` at the stage's
+    last optimizer step (`steps × minibatches`: the scheduler steps once per minibatch)."""
+    warm, lo, kind = cfg.warmup_steps, cfg.min_lr_ratio, cfg.lr_schedule
+    span = max(1, cfg.steps * cfg.minibatches - warm - 1)
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        if kind == "constant":
+            return 1.0
+        p = min(1.0, (s - warm) / span)
+        return lo + (1.0 - lo) * ((1.0 - p) if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * p)))
+    return factor
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -72,7 +72,7 @@ def _reference_update(path, batch, adv, steps):
     cfg = _loop_cfg()
     model = load_model(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     mask = batch.completion_mask.float()
     mets = [policy_update(model, opt, sched, batch, adv[:, None] * mask, mask, None, None, cfg, 1.0, random.Random(0))
             for _ in range(steps)]

@@ -73,7 +73,7 @@ def _update(sft_dir, *, checkpointing=False, agree=None, max_tokens=None):
         assert model.is_gradient_checkpointing
     cfg = PolicyLoopConfig(lr=1e-3, micro_batch_size=4)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     mask = batch.completion_mask.float()
     adv = grpo_advantages(torch.tensor([1.0, 0.0] * 6), 2)[:, None] * mask
     met = policy_update(model, opt, sched, batch, adv, mask, None, None, cfg, 1.0, random.Random(0),

@@ -217,6 +217,30 @@ def test_inline_source_generates_in_the_rollout_phase_and_scores_rewards(tiny, t
 
 # ------------------------------------------------------------------------------------------------ updaters
 
+def test_lr_schedule_warms_up_then_decays_to_the_floor_at_the_last_optimizer_step():
+    import math
+
+    from mopd_core.config import PolicyLoopConfig
+    from mopd_core.train.update import lr_lambda
+
+    const = lr_lambda(PolicyLoopConfig(steps=10, warmup_steps=4))
+    assert [const(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]  # the warm-up as before
+    # cosine over steps × minibatches optimizer steps (the scheduler steps per minibatch): 1 right after the
+    # warm-up, min_lr_ratio at the last one, never below it, never rising
+    c = PolicyLoopConfig(steps=10, minibatches=2, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    f = [lr_lambda(c)(s) for s in range(25)]
+    assert f[:3] == [0.5, 1.0, 1.0] and f[19] == pytest.approx(0.1, abs=1e-12) and min(f) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[1:], f[2:]))
+    assert f[2 + 8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 17)), abs=1e-12)
+    lin = lr_lambda(PolicyLoopConfig(steps=5, lr_schedule="linear"))
+    assert [lin(s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    with pytest.raises(ValueError, match="min_lr_ratio=0.1 has no effect with lr_schedule=constant"):
+        PolicyLoopConfig(min_lr_ratio=0.1)
+    # the defaults stay out of the config dump: a run that does not set them keeps its stage fingerprint
+    dump = PolicyLoopConfig().model_dump()
+    assert "lr_schedule" not in dump and "min_lr_ratio" not in dump
+
+
 def test_local_updater_steps_the_weights_and_refuses_a_sharded_checkpoint(tiny, tmp_path):
     ctx = _ctx(tiny, tmp_path, "expert", prompts_per_step=2, group_size=2, lr=1e-2)
     model = load_policy(ctx, None)

@@ -59,7 +59,7 @@ class LocalUpdater:
         self.ctx, self.model = ctx, model
         self.opt = torch.optim.AdamW(trainable_parameters(model), lr=c.lr, betas=tuple(c.betas),
                                      weight_decay=c.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, update_mod.lr_lambda(c.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, update_mod.lr_lambda(c))
         if ctx.ckpts:
             if st.get("optimizer") is None:
                 raise StageStateError(f"{ctx.last_ckpt} holds a sharded optimizer state (trained with "
