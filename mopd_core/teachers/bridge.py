@@ -20,7 +20,9 @@ the student token in which its last character lies; a student token in which no 
 - where both tokenizations cut the text at the same places, ℓᵀ per student token is the teacher's exact log-prob
   of that piece; inside a span where they cut differently only the span's sum is exact (the split of a teacher
   token's probability over the student tokens it covers is not observable from the teacher's sampled-token
-  log-probs alone; GOLD merges such groups the same way before comparing them).
+  log-probs alone; GOLD merges such groups the same way before comparing them). The bridge reports where such
+  spans end (`span_cuts`); the sampled-token objective gives each token of a span the span's mean gap
+  (`algorithms.spread_span_gaps`) rather than the raw split, whose 0s would reward whatever was sampled there.
 
 Dense objectives (kd_loss topk_rkl, jsd, full_jsd) compare distributions over one vocabulary: a bridged teacher
 declares it cannot give them (`scores_top_k`, `scores_any_ids`, `gives_hidden` False) and `config.py` refuses the
