@@ -31,12 +31,14 @@ MSG_EX = Example(prompt=(FrozenFields({"role": "user", "content": "12+3="}),), t
 STR_EX = Example(prompt="rev:abc=", teacher_id="code", answer="cba")
 
 # Recorded from the code before chat formatting existed (commit b9673e6): the default tiny tokenizer, the default
-# tiny model's initial weights and the default tiny recipe's stage fingerprints must stay exactly these.
+# tiny model's initial weights and the default tiny recipe's stage fingerprints must stay exactly these. The mopd
+# one changed once on purpose: configs/tiny.yaml's MOPD stage took a cosine learning-rate decay (46bc8ebb1624f9b6
+# before it); the other stages, whose settings did not change, keep theirs.
 DEFAULT_VOCAB_SHA = "7f0789557ad13b8a"
 DEFAULT_TOKENIZER_FP = "3e9586199fe9f7d4"
 DEFAULT_INIT_SHA = "17c19ba17786c1cc"
 DEFAULT_BASE = "tiny:78379937bba4854b"
-DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "46bc8ebb1624f9b6",
+DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "b68a4f53c147d70d",
                "evaluate": "132506b98b63acb6"}
 INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3",
           "base": "stage:b:0"}

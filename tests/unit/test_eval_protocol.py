@@ -25,12 +25,8 @@ from mopd_core.rollout import engines as E
 
 REAL_MINI = Path(__file__).resolve().parents[2] / "data" / "real_mini"
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128}
-# the default tiny recipe's stage fingerprints (recorded in test_chat_format.py from before eval_sources existed;
-# mopd's changed on purpose with the dense default objective, mopd.kd_loss=topk_rkl)
-DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "46bc8ebb1624f9b6",
-               "evaluate": "132506b98b63acb6"}
-INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3",
-          "base": "stage:b:0"}
+# the default tiny recipe's stage fingerprints and their inputs: one record, test_chat_format.py's
+from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def test_reward_objective_is_grpo_times_w_rl(tiny, tmp_path):
 def test_sampled_kd_adds_the_clipped_reverse_kl_and_reports_token_shares(tiny, tmp_path):
     ctx = _ctx(tiny, tmp_path, "mopd", _Teachers(), group_size=2, w_rl=0.0, w_kd=2.0, kd_clip=0.3)
     batch, mask, teacher = _batch_parts(tiny)
-    routed = type("Routed", (), {"logp": teacher})()
+    routed = type("Routed", (), {"logp": teacher, "span_cut": None})()
     m = {}
     a = SampledKD(ctx).advantage({"rewards": torch.zeros(4), "routed": routed}, batch, mask, m)
     want = 2.0 * ((teacher - batch.behaviour_logp).clamp(-0.3, 0.3) * mask)

@@ -24,11 +24,8 @@ from tests.conftest import tiny_overrides
 
 torch.set_num_threads(1)
 
-# the default tiny recipe's stage fingerprints (as recorded in test_eval_protocol.py / test_chat_format.py)
-DEFAULT_FPS = {"sft": "b61a77126ef16126", "expert:math": "b89c39535d5180d4", "mopd": "46bc8ebb1624f9b6",
-               "evaluate": "132506b98b63acb6"}
-INPUTS = {"init": "stage:abc:3", "teacher.math": "stage:m:3", "teacher.code": "stage:c:3", "teacher.if": "stage:i:3",
-          "base": "stage:b:0"}
+# the default tiny recipe's stage fingerprints and their inputs: one record, test_chat_format.py's
+from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # noqa: E402
 _TIMING = ("perf/", "mem/")
 
 
