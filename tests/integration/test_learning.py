@@ -31,6 +31,8 @@ def _train_cfg(cfg):
     c = cfg.model_copy(deep=True)
     for s in (c.expert, c.mopd):
         s.steps, s.lr, s.prompts_per_step, s.group_size = STEPS, LR, PROMPTS, GROUP
+        # the bars were set for these 12 steps at a constant rate; the preset's MOPD cosine decay is for its 300
+        s.min_lr_ratio, s.lr_schedule = 0.0, "constant"  # in this order: each assignment is validated
     return c
 
 
