@@ -32,6 +32,7 @@ combination before any compute.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -104,10 +105,17 @@ class TokenBridge:
         self.stop_ids = {int(t) for t in student_stop_ids}
         self.pad_id = int(teacher_tokenizer.pad_token_id if teacher_tokenizer.pad_token_id is not None
                           else teacher_tokenizer.eos_token_id)
+        self._row = functools.lru_cache(maxsize=8192)(self._map_row)  # this bridge's own, gone with it
 
-    def row(self, ids: list[int]) -> tuple[list[int], list[int], list[bool]]:
+    def row(self, ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
         """One completion (its real tokens, the stop token included): the teacher's completion ids, per teacher id
-        the student position it is charged to, and per student token whether a span ends there (`span_cuts`)."""
+        the student position it is charged to, and per student token whether a span ends there (`span_cuts`).
+        Remembered per completion (`_row`): scoring and the objective's span ends both ask within a step, and a
+        cache hit asks only for the spans."""
+        return self._row(tuple(ids))
+
+    def _map_row(self, ids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+        ids = list(ids)
         stopped = bool(ids) and ids[-1] in self.stop_ids
         content = ids[:-1] if stopped else ids
         text, s_ends = completion_ends(self.student, content)
@@ -120,15 +128,18 @@ class TokenBridge:
             t_ids += self.end_ids
             own += [len(ids) - 1] * len(self.end_ids)
             cuts.append(True)
-        return t_ids, own, cuts
+        return tuple(t_ids), tuple(own), tuple(cuts)  # shared by every caller: immutable
+
+    def rows(self, batch: RolloutBatch) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]]:
+        """`row` of every completion of the batch (its real tokens)."""
+        c_ids, c_len = batch.completion_ids.cpu(), batch.completion_mask.cpu().long().sum(-1)
+        return [self.row(c_ids[i, :int(c_len[i])].tolist()) for i in range(batch.size)]
 
     def cuts(self, batch: RolloutBatch) -> torch.Tensor:
         """`[B,T]` bool: the span ends of every row (`span_cuts`; False on padding). They depend on the ids only,
         so a cached score and a fresh one share them."""
-        c_ids, c_len = batch.completion_ids.cpu(), batch.completion_mask.cpu().long().sum(-1)
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.bool)
-        for i in range(batch.size):
-            row = self.row(c_ids[i, :int(c_len[i])].tolist())[2]
+        for i, (_, _, row) in enumerate(self.rows(batch)):
             out[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
         return out.to(batch.completion_ids.device)
 
@@ -140,8 +151,7 @@ class TokenBridge:
                                "examples (score on the process that sampled it)")
         dev = batch.completion_ids.device
         prompts = self.fmt.batch_ids(batch.examples)
-        c_ids, c_len = batch.completion_ids.cpu(), batch.completion_mask.cpu().long().sum(-1)
-        rows = [self.row(c_ids[i, :int(c_len[i])].tolist())[:2] for i in range(batch.size)]
+        rows = [r[:2] for r in self.rows(batch)]
         B, P = batch.size, max([len(p) for p in prompts] + [1])
         T = max([len(t) for t, _ in rows] + [1])
         p_ids = torch.full((B, P), self.pad_id, dtype=torch.long)

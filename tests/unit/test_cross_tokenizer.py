@@ -31,6 +31,7 @@ from mopd_core.models import (build_bpe_tokenizer, build_tiny, build_tiny_model,
 from mopd_core.models.chat import formatter_for
 from mopd_core.rollout import RolloutBatch, score_completions
 from mopd_core.teachers import LocalTeacher
+from mopd_core.teachers.cache import CachedTeacher, ScoreCache
 from mopd_core.teachers.bridge import (Alignment, CrossTokenizerTeacher, TokenBridge, bridge_teachers,
                                        completion_ends, owners, span_cuts)
 from mopd_core.teachers.http import build_http_router
@@ -129,7 +130,7 @@ def test_a_bpe_copy_of_the_student_gives_the_students_log_probs(student, bpe):
         assert (got[row, k] == 0) == (k + 1 not in ends)
 
 
-def test_the_student_itself_behind_another_tokenizer_gives_zero_advantage(student, bpe):
+def test_the_student_itself_behind_another_tokenizer_gives_zero_advantage(student, bpe, tmp_path):
     """The bug it catches: ℓᵀ = 0 on a token whose teacher token ends later gives it the advantage −ℓ^old > 0 (and
     the span's last token the whole gap), so a teacher that agrees with the student everywhere still pushes it."""
     from mopd_core.algorithms import reverse_kl_advantages
@@ -146,11 +147,20 @@ def test_the_student_itself_behind_another_tokenizer_gives_zero_advantage(studen
     mask = batch.completion_mask.bool()
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # the router's output tensors: float64 like the reference teacher
+    cached = CachedTeacher(bridged["code"], "the-copy", ScoreCache(tmp_path, "c" * 16, 10**8))
     try:
         routed = TeacherRouter(bridged).score(batch)
         same = TeacherRouter({"code": base}).score(batch)
+        TeacherRouter({"code": cached}).score(batch)
+        replay = TeacherRouter({"code": cached}).score(batch)  # every row from the score cache
     finally:
         torch.set_default_dtype(prev)
+    # the completions were re-tokenized once: the span ends reused scoring's mapping
+    info = bridged["code"].bridge._row.cache_info()
+    assert info.misses == len({tuple(r) for r in batch.completion_ids.tolist()}) and info.hits >= 3 * len(comps)
+    assert cached.stats["cache_hits"] == len(comps)
+    assert torch.equal(replay.span_cut, routed.span_cut)
+    torch.testing.assert_close(replay.logp, routed.logp, rtol=0, atol=0)
     cut = routed.span_cut
     assert cut is not None and not cut[~mask].any()
     last = mask.sum(-1) - 1
@@ -315,10 +325,9 @@ def test_open_teachers_bridges_only_the_listed_teacher(student, bpe, tmp_path):
         s = r.score(batch)
         assert s.logp.shape == batch.completion_ids.shape and torch.isfinite(s.logp).all()
         assert (s.logp[batch.completion_mask.bool()] < 0).any()
-        # the spans come from the ids, past the score cache: a replayed (cached) step gets the same ones
-        again = r.score(batch)
-        assert s.span_cut is not None and torch.equal(again.span_cut, s.span_cut)
-        torch.testing.assert_close(again.logp, s.logp, rtol=0, atol=0)
+        # the router passes the bridged teacher's span ends on (the math and if rows, same tokenizer, have none)
+        assert s.span_cut is not None and not s.span_cut[[i for i, e in enumerate(batch.examples)
+                                                          if e.teacher_id != "code"]].any()
 
 
 class _FakeVllm(BaseHTTPRequestHandler):
