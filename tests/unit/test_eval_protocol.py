@@ -22,11 +22,10 @@ from mopd_core.errors import ConfigError
 from mopd_core.models import build_tiny, forward, load_model, load_tokenizer
 from mopd_core.rollout import HFRollout, RolloutBatch, encode_prompts, position_ids, sample, sampling_mask
 from mopd_core.rollout import engines as E
+from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # the default tiny stage fingerprints: one record
 
 REAL_MINI = Path(__file__).resolve().parents[2] / "data" / "real_mini"
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128}
-# the default tiny recipe's stage fingerprints and their inputs: one record, test_chat_format.py's
-from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -175,3 +175,30 @@ def test_vs_trl_time_to_accuracy_and_its_acceptance_lines():
     assert "| TRL DistillationTrainer β=1 (math) | 5 | 40.0 ± 0.0 | 60.0 ± 0.0 | 76.4 ± 4.2 |" in md
     assert "≤ TRL's ÷ 1.5: met (2.0 ± 0.0 vs 6.0 ± 0.0 (4/5 seeds) s, ratio 3.00×)" in md
     assert "≥ 5 seeds per arm: met (5 and 5)" in md
+
+
+@pytest.mark.parametrize("kind,ratio", [("constant", 0.0), ("cosine", 0.1), ("linear", 0.0)])
+def test_trl_trains_at_our_learning_rate_step_by_step(kind, ratio):
+    """The TRL arm's transformers scheduler for our `lr_schedule` (`vs_trl.trl_lr_schedule`): over the benchmark's
+    30 steps its rate is within one step's decay (lr / 30) of ours at every step (transformers' progress is step /
+    max_steps, ours reaches the floor at the last step), and a linear decay to a floor it cannot express is
+    refused."""
+    import torch
+    from transformers import get_scheduler
+
+    from mopd_core.config import PolicyLoopConfig
+    from mopd_core.train.update import lr_lambda
+
+    c = PolicyLoopConfig(steps=30, lr=1.0, lr_schedule=kind, min_lr_ratio=ratio)
+    name, kw = vs.trl_lr_schedule(c)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_scheduler(name, opt, num_warmup_steps=0, num_training_steps=30, scheduler_specific_kwargs=kw)
+    theirs = []
+    for _ in range(30):
+        theirs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    ours = [lr_lambda(c)(s) for s in range(30)]
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1 / 30 + 1e-12, (ours, theirs)
+    with pytest.raises(SystemExit, match="linear with min_lr_ratio"):
+        vs.trl_lr_schedule(PolicyLoopConfig(lr_schedule="linear", min_lr_ratio=0.1))

@@ -21,11 +21,10 @@ from mopd_core.models import build_tiny, forward, load_model
 from mopd_core.train import roles as RL
 from mopd_core.train import update as U
 from tests.conftest import tiny_overrides
+from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # the default tiny stage fingerprints: one record
 
 torch.set_num_threads(1)
 
-# the default tiny recipe's stage fingerprints and their inputs: one record, test_chat_format.py's
-from tests.unit.test_chat_format import DEFAULT_FPS, INPUTS  # noqa: E402
 _TIMING = ("perf/", "mem/")
 
 
