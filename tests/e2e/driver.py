@@ -61,6 +61,15 @@ def deployment_runs(name: str) -> list[dict]:
     return [describe_flow_run(str(r.id)) for r in runs]
 
 
+def schedules(name: str) -> list[dict]:
+    """The schedules of deployment `flow/deployment`: cron, timezone, active."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        dep = c.read_deployment_by_name(name)
+    return [{"cron": s.schedule.cron, "timezone": s.schedule.timezone, "active": s.active} for s in dep.schedules]
+
+
 def champion_check(op: dict) -> dict:
     """The nightly comparison on given accuracies (a champion far better than the student): a flow around the
     compare_to_champion task, as the full recipe runs it."""
@@ -132,6 +141,8 @@ def main() -> int:
                 results.append(run_flow(op))
             elif op["op"] == "deployment_runs":
                 results.append(deployment_runs(op["deployment"]))
+            elif op["op"] == "schedules":
+                results.append(schedules(op["deployment"]))
             elif op["op"] == "champion_check":
                 results.append(champion_check(op))
             elif op["op"] == "deployment_id":

@@ -86,6 +86,15 @@ def mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def pause_schedules(client_env: dict) -> None:
+    """Pause every deployment schedule (and delete the runs they scheduled ahead). The nightly's cron (03:00 UTC)
+    would otherwise start a full default recipe on the test worker whenever a suite runs across it: it did once in
+    CI, loading both cores and adding a third run to the nightly test's count."""
+    p = subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deployment", "schedule", "pause", "--all"],
+                       cwd=ROOT, env=client_env, text=True, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
 def runs_of(client, experiment: str) -> list:
     exp = client.get_experiment_by_name(experiment)
     return client.search_runs([exp.experiment_id], max_results=1000) if exp else []

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import ROOT, drive, free_port, isolated_env, mlflow_client, runs_of, short_overrides
+from tests.e2e.helpers import (ROOT, drive, free_port, isolated_env, mlflow_client, pause_schedules, runs_of,
+                               short_overrides)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -46,6 +47,12 @@ class Services:
                                json.dumps(params), "--watch", "--watch-timeout", str(timeout)], cwd=ROOT,
                               env=self.client_env, text=True, capture_output=True, timeout=timeout + 60)
 
+    def flow_run(self, p: subprocess.CompletedProcess) -> dict:
+        """The flow run a `prefect deployment run` started (its `UUID:` line), described."""
+        ids = [ln.split("UUID:", 1)[1].strip() for ln in p.stdout.splitlines() if "UUID:" in ln]
+        assert ids, f"no flow run id in: {p.stdout[-2000:]}"
+        return drive(self.tmp, [{"op": "flow_run", "id": ids[0]}], self.client_env, timeout=120, tag="query")[0]
+
     def runs(self, deployment: str) -> list[dict]:
         return drive(self.tmp, [{"op": "deployment_runs", "deployment": deployment}], self.client_env,
                      timeout=120, tag="query")[0]
@@ -58,6 +65,11 @@ def services(tmp_path_factory):
     try:
         s.sh("start", timeout=400)
         s.sh("deploy", timeout=300)
+        # the nightly's schedule as deployed, then paused for the tests (pause_schedules says why)
+        schedules = drive(tmp, [{"op": "schedules", "deployment": "full-recipe/nightly"}], s.client_env,
+                          timeout=120, tag="sched")[0]
+        assert schedules == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}], schedules
+        pause_schedules(s.client_env)
         yield s
     finally:
         subprocess.run([str(ROOT / "infra/services.sh"), "stop"], cwd=ROOT, env=s.env, timeout=120)
@@ -78,9 +90,8 @@ def recipe_runs(services):
     p2 = services.run_deployment("full-recipe/tiny", params)
     w2 = time.monotonic() - t0
     assert p2.returncode == 0, p2.stdout[-4000:] + p2.stderr[-2000:]
-    runs = services.runs("full-recipe/tiny")
-    assert len(runs) == 2
-    return runs, (w1, w2)
+    assert len(services.runs("full-recipe/tiny")) == 2
+    return [services.flow_run(p1), services.flow_run(p2)], (w1, w2)
 
 
 def _family(client, flow_run_id: str):
@@ -138,7 +149,7 @@ def test_raising_steps_through_a_deployment_continues_the_student(services, reci
     p = services.run_deployment("full-recipe/tiny", {"overrides": short_overrides(services.tmp / "runs",
                                                                                   mopd_steps=5)})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    run = services.runs("full-recipe/tiny")[-1]
+    run = services.flow_run(p)
     states = {t["name"]: t["state_name"] for t in run["task_runs"]}
     for st in ("sft", "expert-math", "expert-code", "expert-if"):
         assert states[st] == "Cached", states
@@ -159,7 +170,7 @@ def test_single_stage_mopd_deployment(services, recipe_runs):
               "mopd": {"steps": 4}}
     p = services.run_deployment("mopd/tiny", params)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    run = services.runs("mopd/tiny")[-1]
+    run = services.flow_run(p)
     assert run["state_type"] == "COMPLETED" and run["parameters"]["mopd"]["steps"] == 4
     c = mlflow_client(services.mlflow)
     versions = sorted(c.search_model_versions("name='t-student'"), key=lambda v: int(v.version))
@@ -198,7 +209,7 @@ def test_async_mopd_deployment_starts_and_stops_its_servers(services, recipe_run
     p = services.run_deployment("mopd/tiny", {"overrides": short_overrides(out) + async_set, **refs,
                                               "mopd": {"steps": 3}})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    run = services.runs("mopd/tiny")[-1]
+    run = services.flow_run(p)
     assert run["state_type"] == "COMPLETED"
     assert any(a["key"].endswith("-timeline") and a["type"] == "table" for a in run["artifacts"])
     c = mlflow_client(services.mlflow)
@@ -211,18 +222,20 @@ def test_async_mopd_deployment_starts_and_stops_its_servers(services, recipe_run
     failing = short_overrides(services.tmp / "runs-async-fail") + async_set + ["teachers.routing=mixture",
                                                                                 "mopd.kd_loss=jsd"]
     p = services.run_deployment("mopd/tiny", {"overrides": failing, **refs, "mopd": {"steps": 3}})
-    run = services.runs("mopd/tiny")[-1]
+    run = services.flow_run(p)
     assert run["state_type"] == "FAILED", run
     assert _pids_gone(services.tmp / "runs-async-fail", "rollout/endpoints.json"), "the server never started"
 
 
 def test_nightly_promotes_champion_and_compares(services, recipe_runs):
     params = {"overrides": short_overrides(services.tmp / "runs", name="n")}
+    ran = []
     for _ in range(2):
         p = services.run_deployment("full-recipe/nightly", params)
         assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    # the cron schedule also created future runs (state SCHEDULED): only the two that ran count
-    first, second = [r for r in services.runs("full-recipe/nightly") if r["state_type"] != "SCHEDULED"]
+        ran.append(services.flow_run(p))
+    first, second = ran
+    assert first["state_type"] == second["state_type"] == "COMPLETED"
     c = mlflow_client(services.mlflow)
     champ = c.get_model_version_by_alias("n-student", "champion")
     # refresh=[all]: the second nightly retrained every stage and registered a new student

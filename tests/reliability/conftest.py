@@ -315,6 +315,9 @@ def services(reliability_tmp):
     try:
         s.sh("start", timeout=400)
         s.sh("deploy", timeout=300)
+        from tests.e2e.helpers import pause_schedules
+
+        pause_schedules(s.client_env)
         s.start_wall_s = time.monotonic() - t0
         yield s
     finally:
