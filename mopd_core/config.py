@@ -635,7 +635,8 @@ class PolicyLoopConfig(_Model):
                              "reach lr; lower warmup_steps")
         if self.lr_schedule == "constant" and self.min_lr_ratio:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} has no effect with lr_schedule=constant; set "
-                             "lr_schedule=cosine (or linear), or remove min_lr_ratio")
+                             "lr_schedule=cosine (or linear), or min_lr_ratio=0 (a preset's "
+                             "value too: --set <stage>.min_lr_ratio=0)")
         for name, table in (("mix", self.mix),):
             _check_weights(name, table)
         return self
