@@ -560,7 +560,8 @@ class PolicyLoopConfig(_Model):
     prompts_per_step: int = Field(32, ge=1, description="Distinct prompts per step.")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group).")
     lr: float = Field(2e-4, gt=0, description="AdamW peak learning rate (after warm-up; lr_schedule from there).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps (a stage takes steps × "
+                              "minibatches of them).")
     # left out of the dump at their defaults, so configs that do not set them keep their stage fingerprints
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", exclude_if=lambda v: v == "constant", description="The learning rate after warm-up: constant, "
@@ -630,9 +631,10 @@ class PolicyLoopConfig(_Model):
         if self.minibatches > rows:
             raise ValueError(f"minibatches={self.minibatches} exceeds the {rows} samples of a step (prompts_per_step"
                              " × group_size); set minibatches ≤ that")
-        if self.steps and self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} > steps={self.steps}: the learning rate would never "
-                             "reach lr; lower warmup_steps")
+        if self.steps and self.warmup_steps > self.steps * self.minibatches:
+            raise ValueError(f"warmup_steps={self.warmup_steps} > the stage's {self.steps * self.minibatches} "
+                             "optimizer steps (steps × minibatches): the learning rate would never reach lr; lower "
+                             "warmup_steps")
         if self.lr_schedule == "constant" and self.min_lr_ratio:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} has no effect with lr_schedule=constant; set "
                              "lr_schedule=cosine (or linear), or min_lr_ratio=0 (a preset's "

@@ -236,6 +236,10 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor_at_the_last_optimizer_ste
     assert [lin(s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
     with pytest.raises(ValueError, match="min_lr_ratio=0.1 has no effect with lr_schedule=constant"):
         PolicyLoopConfig(min_lr_ratio=0.1)
+    # the warm-up counts optimizer steps, as the scheduler does: 15 fits a 10-step stage at K=2 (20 of them)
+    assert PolicyLoopConfig(steps=10, minibatches=2, warmup_steps=15).warmup_steps == 15
+    with pytest.raises(ValueError, match="warmup_steps=21 > the stage's 20 optimizer steps"):
+        PolicyLoopConfig(steps=10, minibatches=2, warmup_steps=21)
     # the defaults stay out of the config dump: a run that does not set them keeps its stage fingerprint
     dump = PolicyLoopConfig().model_dump()
     assert "lr_schedule" not in dump and "min_lr_ratio" not in dump
