@@ -28,7 +28,10 @@ class KDPlan:
     student's log-probs of them before the update `old_logp`, the teacher's `teacher`; the advantage is
     `rl_adv (on rl_slot) + factor · r(k)`. `refresh`: recompute the kd part with the current student's log-probs
     from the update's own forward before each minibatch after the first (the first sees the weights that produced
-    the stored advantage, so refreshing it changes nothing)."""
+    the stored advantage, so refreshing it changes nothing). `span_cut` (sampled token, a teacher of another
+    tokenizer): `teacher` holds the raw routed scores, re-split over each span at the log-probs the advantage is
+    taken against (`sampled_teacher_logp`'s split at ℓ^old, and at the current student's under refresh, so a
+    refreshed span's tokens all get its current mean gap)."""
     dense: bool
     teacher: torch.Tensor
     factor: torch.Tensor                  # [B,T] w_kd · gap scale · conflict keep
@@ -39,14 +42,17 @@ class KDPlan:
     old_logp: torch.Tensor | None = None
     kd_valid: torch.Tensor | None = None
     slots: torch.Tensor | None = None     # kd_valid | rl_slot: the slots with a loss
+    span_cut: torch.Tensor | None = None  # [B,T] bool (sampled token, bridged teacher): each span's last token
 
     def kd_advantage(self, student: torch.Tensor, rows, t: int, mask: torch.Tensor) -> torch.Tensor:
         """The factor-weighted kd advantage of `rows` (first `t` positions) against `student` log-probs."""
         if self.dense:
             r = alg.topk_rkl_advantages(student, self.teacher[rows, :t], self.kd_valid[rows, :t], mask, self.clip)
             return self.factor[rows, :t, None] * r
-        return self.factor[rows, :t] * alg.reverse_kl_advantages(self.teacher[rows, :t], student, mask,
-                                                                  clip=self.clip)
+        teacher = self.teacher[rows, :t]
+        if self.span_cut is not None:
+            teacher = alg.spread_span_gaps(teacher, student, self.span_cut[rows, :t], mask)
+        return self.factor[rows, :t] * alg.reverse_kl_advantages(teacher, student, mask, clip=self.clip)
 
     def advantage(self, student: torch.Tensor, rows, t: int, mask: torch.Tensor) -> torch.Tensor:
         return self.rl_adv[rows, :t] + self.kd_advantage(student, rows, t, mask)
@@ -197,8 +203,9 @@ def kd_plan(cfg: PolicyLoopConfig, conflict: str, nats: float, routed, dense, ba
             if gm is not None:
                 m[f"gap/m/{n}"], m[f"gap/scale/{n}"] = gm, sc
     factor = cfg.w_kd * scale * keep  # exactly w_kd where no scale or conflict applies
-    if dense is None:
-        plan = KDPlan(False, teacher, factor, adv, cfg.kd_clip, cfg.reward_refresh)
+    if dense is None:  # a bridged teacher's raw scores (conflict is refused with it): re-split per use
+        raw = routed.logp if routed.span_cut is not None else teacher
+        plan = KDPlan(False, raw, factor, adv, cfg.kd_clip, cfg.reward_refresh, span_cut=routed.span_cut)
         return adv + factor * a_kd, plan, m, gaps
     rl_adv = rl_slot.to(adv.dtype) * adv.unsqueeze(-1)  # the GRPO outcome term on the sampled token's slot only
     plan = KDPlan(True, teacher, factor, rl_adv, cfg.kd_clip, cfg.reward_refresh, slot_ids, old, kd_valid,

@@ -205,6 +205,41 @@ def test_spread_span_gaps_in_float64():
     assert torch.equal(out[one], t[one])  # bit for bit
 
 
+def test_reward_refresh_re_splits_each_span_at_the_current_student():
+    """Under reward refresh the sampled-token advantage is taken again against the student after each minibatch: a
+    bridged teacher's span must then give each of its tokens the span's mean gap at those log-probs, not at the
+    rollout's (a split anchored at ℓ^old leaves ℓ^old − ℓ^new inside the span: tokens the last minibatch raised
+    are pushed down again). Float64, no clip."""
+    from mopd_core.algorithms import reverse_kl_advantages, spread_span_gaps
+    from mopd_core.train.kd import KDPlan
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 8
+    raw = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old, new = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[2, 5:] = False
+    cut = torch.zeros(B, T, dtype=torch.bool)
+    cut[:, [0, 3, 7]] = True  # spans [0] [1..3] [4..7]
+    cut[2, 4] = True  # row 2: [4] and its last real token
+    plan = KDPlan(False, raw, torch.ones(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64), None,
+                  True, span_cut=cut)
+    rows = [0, 1, 2]
+    # against ℓ^old: exactly the stored advantage (the first minibatch's)
+    at_old = reverse_kl_advantages(spread_span_gaps(raw, old, cut, mask), old, mask)
+    torch.testing.assert_close(plan.kd_advantage(old, rows, T, mask), at_old, rtol=0, atol=0)
+    got = plan.kd_advantage(new, rows, T, mask)
+    for i in range(B):  # the float64 loop reference: every token of a span has the span's current mean gap
+        for span in ([0], [1, 2, 3], [4, 5, 6, 7] if i < 2 else [4]):
+            want = float((raw[i, span] - new[i, span]).sum()) / len(span)
+            torch.testing.assert_close(got[i, span], torch.full((len(span),), want, dtype=torch.float64),
+                                       rtol=0, atol=1e-12)
+    assert not got[~mask].any()
+    # the split anchored at ℓ^old (the earlier behaviour) differs inside the spans by far more than rounding
+    stale = reverse_kl_advantages(spread_span_gaps(raw, old, cut, mask), new, mask)
+    assert (stale - got)[:, 1:4].abs().max() > 0.1
+
+
 def test_the_same_tokenizer_is_the_fast_path(student):
     char = load_tokenizer(student)
     t = LocalTeacher("math", student, "cpu")
