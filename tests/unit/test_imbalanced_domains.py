@@ -173,7 +173,7 @@ def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_o
     spec.loader.exec_module(ab)
     args = argparse.Namespace(config="tiny_imbalanced", overrides=[], output_dir="runs/x")
     preset = load_config("tiny_imbalanced").mopd
-    assert ab.variant_config(args, 0, ab.VARIANTS["k4_share_gap_dense_rl"][1]).mopd == preset
+    assert ab.variant_config(args, 0, ab.VARIANTS["k4_refresh_dense"][1]).mopd == preset
     knobs = ("kd_loss", "minibatches", "balance", "gap_following", "reward_refresh", "w_rl")
     assert all(k in preset.model_fields_set for k in knobs)  # written in the YAML, not taken from a default
     naive = ab.variant_config(args, 0, ab.VARIANTS["naive"][1]).mopd
