@@ -326,6 +326,16 @@ def _accelerator(result: dict) -> str:
     return f"; training and sampling on {acc}" if acc else ""
 
 
+def _wall(result: dict) -> str:
+    """The wall-time sentence: one invocation's, or for merged parts their sum and the longest (how the parts
+    overlapped is not recorded: side by side, the benchmark took about the longest; one after another, the sum)."""
+    parts = result.get("parts_wall_s")
+    if not parts:
+        return f"Wall time of the whole benchmark {result['wall_s'] / 60:.1f} min"
+    return (f"Wall time: {len(parts)} parts, {sum(parts) / 60:.1f} min of job time in all, the longest "
+            f"{max(parts) / 60:.1f} min")
+
+
 def markdown(result: dict) -> str:
     summ, mach, domains = result.get("summary") or {}, result["machine"], result["domains"]
     seeds = sorted(int(s) for s in result["per_seed"])
@@ -333,8 +343,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Open-MOPD ablation on `{result['config']}` ({state})", "",
              f"Seeds {', '.join(map(str, seeds))}; {mach['cpu_model']} ({mach['cpu_count']} cores; torch "
              f"{mach['torch']} {mach['torch_cpu_capability']}, {result['torch_threads']} thread(s)); python "
-             f"{mach['python']}{_accelerator(result)}. Wall time of the whole benchmark "
-             f"{result['wall_s'] / 60:.1f} min (load average "
+             f"{mach['python']}{_accelerator(result)}. {_wall(result)} (load average "
              f"{result['load_average_1m']['start']} at the start, {result['load_average_1m']['end']} at the end, "
              "this benchmark's own processes included; above one per core the wall times are upper bounds)."
              + (f" Overrides: `{' '.join(result['overrides'])}`." if result["overrides"] else ""), "",
@@ -444,6 +453,7 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
     res["invocations"] = [i for p in parts for i in (p.get("invocations") or [{"command": p["command"]}])]
     res["command"] = " & ".join(p["command"] for p in parts) + " (side by side), then --collect"
     res["wall_s"] = max(p["wall_s"] for p in parts)
+    res["parts_wall_s"] = [p["wall_s"] for p in parts]
     res["load_average_1m"] = {"start": max(p["load_average_1m"]["start"] for p in parts),
                               "end": max(p["load_average_1m"]["end"] for p in parts)}
     partial = [f"seed {','.join(map(str, p['seeds']))}: {p['partial']}" for p in parts if p.get("partial")]
@@ -492,7 +502,7 @@ def main(argv=None) -> int:
                          "ones skipped before their config keys existed; the wall time adds up the invocations")
     ap.add_argument("--collect", nargs="+", metavar="JSON",
                     help="run nothing: merge the per-seed results of invocations that ran side by side (one --seeds "
-                         "each) into --out; the wall time is the longest of theirs")
+                         "each) into --out; the table gives their summed and longest wall times")
     args = ap.parse_args(argv)
     if args.collect:
         return collect(args.collect, Path(args.out), Path(args.output_dir))

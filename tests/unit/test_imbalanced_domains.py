@@ -158,10 +158,8 @@ def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_move
     assert sft_fingerprint(imb, "base") != now[0] and sft_fingerprint(tiny, "base") == now[1]
 
 
-def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_out():
-    # benchmarks/mopd_ablation.py: the preset's MOPD block is its best variant; naive is written out as overrides,
-    # so neither moves when the preset's or the library's defaults (e.g. mopd.kd_loss) change
-    import argparse
+def _ablation_module():
+    """benchmarks/mopd_ablation.py, loaded as a module (benchmarks/ is no package)."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -171,6 +169,15 @@ def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_o
     spec = importlib.util.spec_from_file_location("mopd_ablation", bench / "mopd_ablation.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
+    return ab
+
+
+def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_out():
+    # benchmarks/mopd_ablation.py: the preset's MOPD block is its best variant; naive is written out as overrides,
+    # so neither moves when the preset's or the library's defaults (e.g. mopd.kd_loss) change
+    import argparse
+
+    ab = _ablation_module()
     args = argparse.Namespace(config="tiny_imbalanced", overrides=[], output_dir="runs/x")
     preset = load_config("tiny_imbalanced").mopd
     assert ab.variant_config(args, 0, ab.VARIANTS["k4_refresh_dense"][1]).mopd == preset
@@ -180,3 +187,12 @@ def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_o
     assert tuple(dict(naive)[k] for k in knobs) == ("sampled_rkl", 1, "none", False, False, 0.0)
     share = ab.variant_config(args, 0, ab.VARIANTS["share"][1]).mopd
     assert (share.balance, share.minibatches, share.kd_loss) == ("tokens", 1, "sampled_rkl")
+
+
+def test_merged_ablation_parts_report_their_summed_and_longest_wall_time():
+    # parts merged by --collect may have run one after another: the table must not call the longest part's time
+    # the whole benchmark's
+    ab = _ablation_module()
+    assert ab._wall({"wall_s": 90.0}) == "Wall time of the whole benchmark 1.5 min"
+    assert ab._wall({"wall_s": 120.0, "parts_wall_s": [60.0, 120.0, 30.0]}) == \
+        "Wall time: 3 parts, 3.5 min of job time in all, the longest 2.0 min"
