@@ -47,11 +47,20 @@ class Services:
                                json.dumps(params), "--watch", "--watch-timeout", str(timeout)], cwd=ROOT,
                               env=self.client_env, text=True, capture_output=True, timeout=timeout + 60)
 
-    def flow_run(self, p: subprocess.CompletedProcess) -> dict:
-        """The flow run a `prefect deployment run` started (its `UUID:` line), described."""
+    @staticmethod
+    def run_id(p: subprocess.CompletedProcess) -> str:
+        """The id of the flow run a `prefect deployment run` started (its `UUID:` line)."""
         ids = [ln.split("UUID:", 1)[1].strip() for ln in p.stdout.splitlines() if "UUID:" in ln]
         assert ids, f"no flow run id in: {p.stdout[-2000:]}"
-        return drive(self.tmp, [{"op": "flow_run", "id": ids[0]}], self.client_env, timeout=120, tag="query")[0]
+        return ids[0]
+
+    def flow_runs(self, *ps: subprocess.CompletedProcess) -> list[dict]:
+        """The flow runs these `prefect deployment run`s started, described (one driver process for all)."""
+        return drive(self.tmp, [{"op": "flow_run", "id": self.run_id(p)} for p in ps], self.client_env, timeout=120,
+                     tag="query")
+
+    def flow_run(self, p: subprocess.CompletedProcess) -> dict:
+        return self.flow_runs(p)[0]
 
     def runs(self, deployment: str) -> list[dict]:
         return drive(self.tmp, [{"op": "deployment_runs", "deployment": deployment}], self.client_env,
@@ -90,8 +99,9 @@ def recipe_runs(services):
     p2 = services.run_deployment("full-recipe/tiny", params)
     w2 = time.monotonic() - t0
     assert p2.returncode == 0, p2.stdout[-4000:] + p2.stderr[-2000:]
-    assert len(services.runs("full-recipe/tiny")) == 2
-    return [services.flow_run(p1), services.flow_run(p2)], (w1, w2)
+    runs = services.runs("full-recipe/tiny")  # these two and no other
+    assert [r["id"] for r in runs] == [services.run_id(p1), services.run_id(p2)]
+    return runs, (w1, w2)
 
 
 def _family(client, flow_run_id: str):
@@ -229,12 +239,11 @@ def test_async_mopd_deployment_starts_and_stops_its_servers(services, recipe_run
 
 def test_nightly_promotes_champion_and_compares(services, recipe_runs):
     params = {"overrides": short_overrides(services.tmp / "runs", name="n")}
-    ran = []
+    ps = []
     for _ in range(2):
-        p = services.run_deployment("full-recipe/nightly", params)
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-        ran.append(services.flow_run(p))
-    first, second = ran
+        ps.append(services.run_deployment("full-recipe/nightly", params))
+        assert ps[-1].returncode == 0, ps[-1].stdout[-4000:] + ps[-1].stderr[-2000:]
+    first, second = services.flow_runs(*ps)
     assert first["state_type"] == second["state_type"] == "COMPLETED"
     c = mlflow_client(services.mlflow)
     champ = c.get_model_version_by_alias("n-student", "champion")
