@@ -187,6 +187,8 @@ def test_the_preset_runs_the_recommended_variant_and_the_ablation_spells_naive_o
     assert tuple(dict(naive)[k] for k in knobs) == ("sampled_rkl", 1, "none", False, False, 0.0)
     share = ab.variant_config(args, 0, ab.VARIANTS["share"][1]).mopd
     assert (share.balance, share.minibatches, share.kd_loss) == ("tokens", 1, "sampled_rkl")
+    # the default run (TABLE) holds the paper's rows and the preset's variant, and only known variants
+    assert set(ab.PAPER) | {"k4_refresh_dense"} <= set(ab.TABLE) <= set(ab.VARIANTS)
 
 
 def test_merged_ablation_parts_report_their_summed_and_longest_wall_time():
