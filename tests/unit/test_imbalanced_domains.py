@@ -198,3 +198,15 @@ def test_merged_ablation_parts_report_their_summed_and_longest_wall_time():
     assert ab._wall({"wall_s": 90.0}) == "Wall time of the whole benchmark 1.5 min"
     assert ab._wall({"wall_s": 120.0, "parts_wall_s": [60.0, 120.0, 30.0]}) == \
         "Wall time: 3 parts, 3.5 min of job time in all, the longest 2.0 min"
+
+
+def test_the_device_script_runs_the_cpu_tables_variants():
+    # benchmarks/mopd_ablation_device.sh splits the variants into groups run side by side on the GPU; its default
+    # must be the CPU table's rows, so the two tables compare the same variants
+    import re
+    from pathlib import Path
+
+    ab = _ablation_module()
+    sh = (Path(__file__).resolve().parents[2] / "benchmarks/mopd_ablation_device.sh").read_text()
+    groups = re.search(r'VGROUPS=\$\{VGROUPS:-"([^"]+)"\}', sh).group(1)
+    assert sorted(re.split(r"[ ,]", groups)) == sorted(ab.TABLE)
