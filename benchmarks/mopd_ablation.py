@@ -59,7 +59,7 @@ SHARE_GAP = ["mopd.balance=tokens", "mopd.gap_following=true"]
 # naive MOPD spelled out (each variant starts from it): the preset's own defaults are the recommended variant
 NAIVE = ["mopd.kd_loss=sampled_rkl", "mopd.kd_clip=5.0", "mopd.minibatches=1", "mopd.balance=none",
          "mopd.gap_following=false", "mopd.reward_refresh=false", "mopd.w_kd=1.0", "mopd.w_rl=0.0", "mopd.lr=1.0e-4"]
-LR2 = "mopd.lr=2.0e-4"  # the learning budget: at 1e-4 × 40 steps balancing the domains is nearly zero-sum
+LR2 = "mopd.lr=2.0e-4"  # the learning budget: at 1e-4 × 40 steps (the preset before) balancing was nearly zero-sum
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "naive": ("naive (sampled-token RKL)", []),
     "share": ("+ token-share", ["mopd.balance=tokens"]),
@@ -98,7 +98,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                              ["mopd.minibatches=4", *SHARE_GAP, "mopd.reward_refresh=true", "mopd.kd_loss=topk_rkl",
                               LR2]),
 }
-# the default run: Open-MOPD's rows, the preset's variant and its nearest rivals (the others cost ~2.5 min of a
+# the default run: Open-MOPD's rows, the preset's variant and its nearest rivals (the others cost ~2 min of a
 # core per seed each; run them by name or with `--variants all`)
 TABLE = ["naive", "share", "share_gap", "k4", "k4_share_gap", "k4_refresh", "dense", "k4_share_gap_dense",
          "k4_refresh_dense", "k4_share_gap_dense_rl"]
