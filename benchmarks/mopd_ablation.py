@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not seeds:
-        ap.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}" if bad else "--seeds needs a seed")
+        ap.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}, or all" if bad else "--seeds needs a seed")
     import torch
 
     from mopd_core.config import load_config
