@@ -161,7 +161,7 @@ def _run(args) -> int:
         print(json.dumps(rep.accuracy))
         return 0
     print(json.dumps({"stage": out.stage, "model_dir": str(out.model_dir), "eval": out.eval,
-                      "wall_s": round(out.wall_s, 1)}))
+                      "wall_s": round(out.wall_s, 1), "reused": out.reused}))
     return 0
 
 

@@ -43,6 +43,7 @@ class StageOutput:
     teachers: dict = field(default_factory=dict)  # mopd, http backend: the teachers' manifest at the stage's end
     compat: object = None  # mopd with teachers: the compatibility pre-flight's `teachers.compat.CompatReport`
     recovery: dict = field(default_factory=dict)  # mopd: recovery per domain at the final eval (`train.roles`)
+    reused: bool = False  # found finished and returned as it is: wall_s is the look-up's, not a training's
 
 
 @dataclass
@@ -134,7 +135,7 @@ def sft_stage(recipe: RecipeConfig, base: str | Path | None = None, progress: bo
     res = run_sft(recipe=recipe, base_path=base, domains=domains, stage_dir=spec.stage_dir,
                   fingerprint=spec.fingerprint, progress=progress, trainer=trainer)
     return StageOutput(spec.label, res.final_dir, spec.stage_dir, res.eval, time.perf_counter() - t0,
-                       res.history)
+                       res.history, reused=res.reused)
 
 
 def policy_trainer(recipe: RecipeConfig, loop_cfg, stage: str):
@@ -164,7 +165,8 @@ def expert_stage(recipe: RecipeConfig, domain: str, init: str | Path, progress: 
                           domains={domain: all_domains[domain]}, eval_domains=all_domains,
                           stage_dir=spec.stage_dir, fingerprint=spec.fingerprint, progress=progress,
                           trainer=policy_trainer(recipe, cfg, spec.label))
-    return StageOutput(spec.label, res.final_dir, spec.stage_dir, res.eval, time.perf_counter() - t0, res.history)
+    return StageOutput(spec.label, res.final_dir, spec.stage_dir, res.eval, time.perf_counter() - t0, res.history,
+                       reused=res.reused)
 
 
 def mopd_spec(recipe: RecipeConfig, student_init: str | Path, teachers: Mapping[str, str | Path],
@@ -266,7 +268,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
         log.info("%s: already finished (%s steps, fingerprint %s) in %s — reused, no teachers started", spec.label,
                  done.get("steps"), spec.fingerprint, spec.stage_dir)
         return StageOutput(spec.label, spec.stage_dir / "final", spec.stage_dir, done.get("eval", {}),
-                           time.perf_counter() - t0, [], recovery=final_recovery(done))
+                           time.perf_counter() - t0, [], recovery=final_recovery(done), reused=True)
     preflight.check_stage(recipe, spec, student=student_init, teachers=teachers, domains=domains,
                           endpoints=endpoints)
     refs = recovery_references(recipe, student_init, teachers, rnd)  # stop_at_recovery without them: fails here
@@ -293,7 +295,7 @@ def mopd_stage(recipe: RecipeConfig, student_init: str | Path, teachers: dict[st
     if compat is not None:
         (spec.stage_dir / "compat.md").write_text(compat.markdown())
     return StageOutput(spec.label, res.final_dir, spec.stage_dir, res.eval, time.perf_counter() - t0, res.history,
-                       teachers=manifest, compat=compat, recovery=res.recovery)
+                       teachers=manifest, compat=compat, recovery=res.recovery, reused=res.reused)
 
 
 def grpo_baseline_stage(recipe: RecipeConfig, init: str | Path, progress: bool = True) -> StageOutput:
@@ -361,7 +363,7 @@ def run_recipe(recipe: RecipeConfig, progress: bool = True, restart: bool = Fals
     for spec in plan:
         out = run_planned_stage(recipe, spec, models, progress, base=base)
         models[spec.stage], outputs[out.stage] = out.model_dir, out
-        log.info("%s done in %.0fs", out.stage, out.wall_s)
+        log.info("%s %s in %.0fs", out.stage, "reused (already finished)" if out.reused else "done", out.wall_s)
     if baseline:
         outputs["grpo-baseline"] = grpo_baseline_stage(recipe, outputs["sft"].model_dir, progress)
     te = time.perf_counter()

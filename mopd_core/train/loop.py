@@ -57,6 +57,7 @@ class LoopResult:
     resumed_from: int = 0
     stage_dir: Path | None = None
     recovery: dict[str, float] = field(default_factory=dict)  # MOPD: recovery per domain at the final eval
+    reused: bool = False  # found finished and returned as it is (nothing trained)
 
 
 def _section(loop_cfg: PolicyLoopConfig) -> str:
@@ -185,7 +186,7 @@ def run_policy_loop(*, stage: str, loop_cfg: PolicyLoopConfig, recipe: RecipeCon
     info = read_stage(stage_dir)
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
-                          final_recovery(info))
+                          final_recovery(info), reused=True)
     check_loop_config(stage, loop_cfg, recipe, list(domains), teachers is not None)
     try:
         ctx = _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage_dir, fingerprint,
@@ -219,7 +220,7 @@ def _open_stage(stage, loop_cfg, recipe, init_path, domains, eval_domains, stage
     info = claim_stage(stage_dir, fingerprint, {"stage": stage, "init": str(init_path)})
     if finished(info, fingerprint, loop_cfg.steps, stage_dir):
         return LoopResult(stage_dir / "final", info.get("eval", {}), [], loop_cfg.steps, stage_dir,
-                          final_recovery(info))
+                          final_recovery(info), reused=True)
     ckpts = checkpoint_dirs(stage_dir)
     if ckpts and checkpoint_step(ckpts[-1]) > loop_cfg.steps:
         raise StageStateError(f"{stage_dir} already trained {checkpoint_step(ckpts[-1])} steps, "

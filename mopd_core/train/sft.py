@@ -36,6 +36,7 @@ class SFTResult:
     final_dir: Path
     eval: dict
     history: list
+    reused: bool = False  # found finished and returned as it is (nothing trained)
 
 
 def sft_examples(recipe: RecipeConfig, domains: Mapping[str, object]) -> list[dict]:
@@ -89,12 +90,12 @@ def run_sft(*, recipe: RecipeConfig, base_path: str | Path, domains: Mapping[str
     cfg = recipe.sft
     info = read_stage(stage_dir)
     if finished(info, fingerprint, cfg.steps, stage_dir):
-        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
+        return SFTResult(stage_dir / "final", info.get("eval", {}), [], reused=True)
     rows = sft_examples(recipe, domains)  # validates data before any compute
     dinfo = devlib.resolve(recipe.runtime.device)
     info = claim_stage(stage_dir, fingerprint, {"stage": "sft", "init": str(base_path)})
     if finished(info, fingerprint, cfg.steps, stage_dir):  # brought back from aside
-        return SFTResult(stage_dir / "final", info.get("eval", {}), [])
+        return SFTResult(stage_dir / "final", info.get("eval", {}), [], reused=True)
     tokenizer = load_tokenizer(base_path)
     # float32 master weights; the Trainer's bf16/fp16 flags below make runtime.dtype the compute dtype (autocast)
     model = load_model(base_path, dinfo.torch_device, devlib.TRAIN_MASTER_DTYPE)

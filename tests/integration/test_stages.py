@@ -45,6 +45,7 @@ def sft_run(tmp_path_factory):
 def test_sft_changes_parameters_and_logs_finite_loss(sft_run):
     cfg, base, out = sft_run
     assert _changed(_params(base), _params(out.model_dir)) == len(_params(base))
+    assert not out.reused and R.sft_stage(cfg, base, progress=False).reused  # the second call trains nothing
     rows = _rows(out.stage_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2, 4, 6]
     assert 0.0 <= rows[1]["eval/math/greedy"] <= 1.0 and "eval/math/greedy" not in rows[0]
@@ -106,6 +107,7 @@ def test_mopd_routes_each_sample_to_its_teacher(sft_run, tmp_path):
     teachers = perturbed_teachers(cfg, sft.model_dir, tmp_path)
     out = R.mopd_stage(cfg, sft.model_dir, teachers, progress=False)
     assert _changed(_params(sft.model_dir), _params(out.model_dir)) > 0
+    assert not out.reused and R.mopd_stage(cfg, sft.model_dir, teachers, progress=False).reused
     rows = _rows(out.stage_dir / "metrics.jsonl")
     assert len(rows) == 3
     for r in rows:
@@ -183,18 +185,21 @@ def test_finished_stage_is_reused_and_other_config_set_aside(sft_run, tmp_path):
     mtime = weights.stat().st_mtime_ns
     again = R.expert_stage(cfg, "short", sft.model_dir, progress=False)
     assert (again.model_dir / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not retrained
+    # the output says so (a benchmark must not report the look-up's seconds as the stage's training time)
+    assert not first.reused and again.reused
     old_fp = json.loads((first.stage_dir / "stage.json").read_text())["fingerprint"]
 
     other = cfg.model_copy(deep=True)
     other.expert.lr = 1e-3
-    R.expert_stage(other, "short", sft.model_dir, progress=False)  # another config: the old folder is kept
+    assert not R.expert_stage(other, "short", sft.model_dir, progress=False).reused  # another config: trained;
+    # the old folder is kept
     aside = first.stage_dir.with_name(f"expert-short@{old_fp}")
     assert (aside / "final" / "model.safetensors").stat().st_mtime_ns == mtime
     new_fp = json.loads((first.stage_dir / "stage.json").read_text())["fingerprint"]
     assert new_fp != old_fp
 
     back = R.expert_stage(cfg, "short", sft.model_dir, progress=False)  # switching back retrains nothing
-    assert (back.model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (back.model_dir / "model.safetensors").stat().st_mtime_ns == mtime and back.reused
     assert first.stage_dir.with_name(f"expert-short@{new_fp}").exists() and not aside.exists()
 
 
