@@ -195,17 +195,20 @@ def run_seed(args, seed: int, variants: list[str], result: dict, write) -> None:
         seed_res.setdefault("greedy", {})[label] = {d: rep.accuracy[label][d]["greedy"] for d in domains}
         return {d: rep.accuracy[label][d][result["metric"]] for d in domains}
 
-    # with --resume, what an earlier invocation measured stays: a reused stage's seconds are not its training's
+    # a stage is timed by the invocation that trains it; a reused one (trained by an earlier invocation, or by one
+    # beside this one) keeps what that one measured, or none
     t0 = time.perf_counter()
     sft = sft_stage(cfg, base_model(cfg), progress=False)
-    seed_res["wall_s"].setdefault("sft", round(time.perf_counter() - t0, 1))
+    if not sft.reused:
+        seed_res["wall_s"]["sft"] = round(time.perf_counter() - t0, 1)
     if "sft" not in seed_res["accuracy"]:
         seed_res["accuracy"]["sft"] = accuracy("sft", sft.model_dir)
     experts = {}
     for d in cfg.expert_domains():
         t0 = time.perf_counter()
         out = expert_stage(cfg, d, sft.model_dir, progress=False)
-        seed_res["wall_s"].setdefault(f"expert-{d}", round(time.perf_counter() - t0, 1))
+        if not out.reused:
+            seed_res["wall_s"][f"expert-{d}"] = round(time.perf_counter() - t0, 1)
         experts[d] = out.model_dir
         if f"expert-{d}" not in seed_res["accuracy"]:
             seed_res["accuracy"][f"expert-{d}"] = accuracy(f"expert-{d}", out.model_dir)
@@ -228,7 +231,8 @@ def run_seed(args, seed: int, variants: list[str], result: dict, write) -> None:
         wall = time.perf_counter() - t0
         acc = accuracy(v, out.model_dir)
         seed_res["variants"][v] = {"accuracy": acc, "total": statistics.fmean(acc.values()),
-                                   "recovery": recovery(acc, sft_acc, own), "wall_s": round(wall, 1),
+                                   "recovery": recovery(acc, sft_acc, own),
+                                   "wall_s": None if out.reused else round(wall, 1),
                                    "tokens": token_shares(out.stage_dir, domains), "overrides": extra}
         log.info("seed %s %s: %s (%.0f s)", seed, v, {d: round(100 * a, 1) for d, a in acc.items()}, wall)
         write()
@@ -258,7 +262,7 @@ def summarize(result: dict) -> dict:
         curves = [r["tokens"].get("reward_curve", {}) for r in runs]
         wins = [w for w in curves[0] if all(w in c for c in curves)]
         row["reward_curve"] = {w: {d: _mean_std([c[w][d] for c in curves]) for d in domains} for w in wins}
-        row["wall_s"] = _mean_std([r["wall_s"] for r in runs])
+        row["wall_s"] = _mean_std([r["wall_s"] for r in runs if r["wall_s"] is not None])  # None: reused
         summ["variants"][v] = row
     # greedy accuracy of every model and variant beside the headline metric (the same when that is greedy)
     labels = [*seeds[0]["accuracy"], *(v for v in VARIANTS if any(v in s["variants"] for s in seeds))]
@@ -332,6 +336,11 @@ def _accelerator(result: dict) -> str:
     return f"; training and sampling on {acc}" if acc else ""
 
 
+def _secs(wall: dict) -> str:
+    """A mean wall time in seconds; '–' where every run of it was reused (timed by none of these invocations)."""
+    return "–" if wall["mean"] is None else f"{wall['mean']:.0f}"
+
+
 def _wall(result: dict) -> str:
     """The wall-time sentence: one invocation's, or for merged parts their sum and the longest (how the parts
     overlapped is not recorded: side by side, the benchmark took about the longest; one after another, the sum)."""
@@ -386,7 +395,7 @@ def markdown(result: dict) -> str:
                      + " | ".join(_pm(r["recovery"][k], fmt="{:.0f}") for k in [*domains, "total"]) + " | "
                      + " | ".join(_pm(ts.get(d, {})) for d in domains) + " | "
                      + " | ".join(_pm(ls.get(d, {})) for d in domains) + " | "
-                     + f"{r['wall_s']['mean']:.0f} | {PAPER.get(v, '–')} |")
+                     + f"{_secs(r['wall_s'])} | {PAPER.get(v, '–')} |")
     curve_rows = [(VARIANTS[v][0], r["reward_curve"]) for v, r in summ["variants"].items() if r.get("reward_curve")]
     if curve_rows:
         wins = list(curve_rows[0][1])
@@ -426,8 +435,9 @@ def markdown(result: dict) -> str:
     for s in result["per_seed"].values():
         for k, w in s["wall_s"].items():
             walls.setdefault(k, []).append(w)
-    lines += ["", "Stage wall seconds (mean over seeds): " + ", ".join(
-        f"{k} {statistics.fmean(v):.0f}" for k, v in walls.items() if not k.startswith("eval-")) + "."]
+    trained = ", ".join(f"{k} {statistics.fmean(v):.0f}" for k, v in walls.items() if not k.startswith("eval-"))
+    lines += ["", "Stage wall seconds, mean over the seeds whose stage these invocations trained (a stage reused "
+              "from an earlier run is not timed): " + (trained or "none, every stage was reused") + "."]
     if result["skipped"]:
         lines += ["", "Skipped variants (their config keys do not exist in this checkout):", ""]
         lines += [f"- `{v}`: {why}" for v, why in result["skipped"].items()]
@@ -451,7 +461,7 @@ def collect(paths: list[str], outp: Path, output_dir: Path | None = None) -> int
         for k, v in p["per_seed"].items():
             have = res["per_seed"].setdefault(k, {**v, "variants": {}, "wall_s": {}, "accuracy": {}})
             have["variants"].update(v["variants"])
-            for key in ("wall_s", "accuracy", "greedy"):  # the invocation that trained a stage timed it: first wins
+            for key in ("wall_s", "accuracy", "greedy"):  # only the invocation that trained a stage timed it
                 have[key] = {**(v.get(key) or {}), **have.get(key, {})}
     res["variants"] = [v for v in VARIANTS if any(v in s["variants"] for s in res["per_seed"].values())]
     res["seeds"] = sorted(int(k) for k in res["per_seed"])

@@ -4,6 +4,8 @@ here, generation deterministic by seed, the answer-length ratio the benchmark re
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 import re
 
@@ -158,8 +160,9 @@ def test_the_redrawn_ifshort_is_part_of_the_stage_identity_and_nothing_else_move
     assert sft_fingerprint(imb, "base") != now[0] and sft_fingerprint(tiny, "base") == now[1]
 
 
+@functools.cache
 def _ablation_module():
-    """benchmarks/mopd_ablation.py, loaded as a module (benchmarks/ is no package)."""
+    """benchmarks/mopd_ablation.py, loaded as a module once (benchmarks/ is no package)."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -210,3 +213,41 @@ def test_the_device_script_runs_the_cpu_tables_variants():
     sh = (Path(__file__).resolve().parents[2] / "benchmarks/mopd_ablation_device.sh").read_text()
     groups = re.search(r'VGROUPS=\$\{VGROUPS:-"([^"]+)"\}', sh).group(1)
     assert sorted(re.split(r"[ ,]", groups)) == sorted(ab.TABLE)
+
+
+def _ablation_part(sft_wall: float | None, variant: str, wall: float | None) -> dict:
+    """One --seeds 0 invocation's result as mopd_ablation.py writes it: two domains, one variant; a stage this
+    invocation reused (trained by the other) carries no seconds."""
+    acc = {"a": 0.5, "b": 0.5}
+    return {"config": "tiny_imbalanced", "overrides": [], "seeds": [0], "variants": [variant], "domains": ["a", "b"],
+            "metric": "mean@8", "torch_threads": 1, "wall_s": 200.0, "load_average_1m": {"start": 1.0, "end": 2.0},
+            "skipped": {}, "command": f"--variants {variant}", "partial": None,
+            "machine": {"cpu_model": "cpu", "cpu_count": 2, "torch": "t", "torch_cpu_capability": "c", "python": "3"},
+            "per_seed": {"0": {"seed": 0, "wall_s": {} if sft_wall is None else {"sft": sft_wall},
+                               "accuracy": {"sft": acc, "expert-a": {"a": 0.9, "b": 0.5},
+                                            "expert-b": {"a": 0.5, "b": 0.9}},
+                               "greedy": {}, "expert_own": {"a": 0.9, "b": 0.9},
+                               "variants": {variant: {"accuracy": {"a": 0.7, "b": 0.7}, "total": 0.7,
+                                                      "recovery": {"a": 0.5, "b": 0.5, "total": 0.5},
+                                                      "wall_s": wall, "tokens": {}, "overrides": []}}}}}
+
+
+def test_merged_parts_time_each_stage_by_the_invocation_that_trained_it(tmp_path):
+    # two invocations side by side on one seed: the first trains SFT and `naive`, the second reuses SFT and a
+    # `share` stage trained by an earlier run. The merged table times SFT by its trainer whichever part comes
+    # first, and gives no seconds ('–') for a variant nobody here trained, not the look-up's near-zero
+    ab = _ablation_module()
+    trained, reused = _ablation_part(500.0, "naive", 120.0), _ablation_part(None, "share", None)
+    for order in ((reused, trained), (trained, reused)):
+        paths = []
+        for i, part in enumerate(order):
+            paths.append(tmp_path / f"p{i}.json")
+            paths[-1].write_text(json.dumps(part))
+        assert ab.collect([str(p) for p in paths], tmp_path / "out.json") == 0
+        res = json.loads((tmp_path / "out.json").read_text())
+        assert res["per_seed"]["0"]["wall_s"] == {"sft": 500.0}
+        assert res["summary"]["variants"]["share"]["wall_s"]["mean"] is None
+        md = (tmp_path / "out.md").read_text()
+        assert "the seeds whose stage these invocations trained" in md and "sft 500." in md
+        share_row = next(ln for ln in md.splitlines() if ln.startswith("| + token-share |"))
+        assert share_row.endswith("| – | 29.22 |")
