@@ -11,8 +11,10 @@ OUTD=${OUT:-runs/abl-device}
 RUN=${RUN_DIR:-/tmp/abl}
 SEEDS=${SEEDS:-0 1 2 3 4}
 # variant groups, one invocation each per seed: the first trains the seed's stages, the others wait for them;
-# by default mopd_ablation.py's TABLE (the CPU table's rows) in two groups
-VGROUPS=${VGROUPS:-"naive,share,share_gap,k4,k4_share_gap dense,k4_refresh,k4_share_gap_dense,k4_refresh_dense,k4_share_gap_dense_rl"}
+# by default mopd_ablation.py's TABLE (the CPU table's rows) in two halves, read from the script (no copy to drift)
+TABLE_HALVES='import sys; sys.path[:0] = ["benchmarks"]; from mopd_ablation import TABLE as t; h = (len(t) + 1) // 2
+print(",".join(t[:h]), ",".join(t[h:]))'
+VGROUPS=${VGROUPS:-$("${PY:-python3}" -c "$TABLE_HALVES")}
 LIMIT_S=${LIMIT_S:-470}
 PY=${PY:-python3}
 mkdir -p "$OUTD" "$RUN"

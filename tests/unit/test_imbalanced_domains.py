@@ -204,15 +204,20 @@ def test_merged_ablation_parts_report_their_summed_and_longest_wall_time():
 
 
 def test_the_device_script_runs_the_cpu_tables_variants():
-    # benchmarks/mopd_ablation_device.sh splits the variants into groups run side by side on the GPU; its default
-    # must be the CPU table's rows, so the two tables compare the same variants
+    # benchmarks/mopd_ablation_device.sh splits the variants into groups run side by side on the GPU; by default
+    # they are the CPU table's rows, read from the benchmark: run the script's own line that makes them
     import re
+    import subprocess
+    import sys
     from pathlib import Path
 
     ab = _ablation_module()
-    sh = (Path(__file__).resolve().parents[2] / "benchmarks/mopd_ablation_device.sh").read_text()
-    groups = re.search(r'VGROUPS=\$\{VGROUPS:-"([^"]+)"\}', sh).group(1)
-    assert sorted(re.split(r"[ ,]", groups)) == sorted(ab.TABLE)
+    root = Path(__file__).resolve().parents[2]
+    sh = (root / "benchmarks/mopd_ablation_device.sh").read_text()
+    code = re.search(r"TABLE_HALVES='([^']+)'", sh).group(1)
+    assert 'VGROUPS=${VGROUPS:-$("${PY:-python3}" -c "$TABLE_HALVES")}' in sh
+    groups = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert len(groups.split()) == 2 and re.split(r"[ ,]", groups.strip()) == ab.TABLE
 
 
 def _ablation_part(sft_wall: float | None, variant: str, wall: float | None) -> dict:
